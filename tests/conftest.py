@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random models (fast, exact references) and the real default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.tiny import TINY_KINDS, tiny_pair
+
+
+@pytest.fixture(params=TINY_KINDS)
+def tiny_kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny(tiny_kind):
+    """(transformers model, minillm model) with identical random weights, for each tiny architecture."""
+    return tiny_pair(tiny_kind)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real SmolLM2-135M-Instruct in float32, loaded once per test session: (model, tokenizer)."""
+    from minillm import load_model
+
+    return load_model("default", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def reference_default_model():
+    """transformers' LlamaForCausalLM holding the same dequantized weights as `default_model`."""
+    from transformers import AutoModelForCausalLM
+
+    from minillm.loading import resolve_checkpoint_folder
+
+    return AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder("default"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
