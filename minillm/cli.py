@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, SamplingError
 
 EPILOG = """examples:
   python -m minillm.infer --prompt "What is the capital of France?"
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when the generated text contains TEXT (repeatable); TEXT itself is not printed")
 
-    s = p.add_argument_group("sampling (default: greedy)")
+    s = p.add_argument_group("sampling (default: greedy; --temperature, --top-k, --top-p or --min-p turn sampling on)")
     s.add_argument("--greedy", action="store_true", help="always pick the most likely token (ignores the flags below "
                                                          "except the penalties)")
     s.add_argument("--temperature", type=float, metavar="T",
@@ -82,14 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def sampling_config(args, eos_token_id=None) -> SamplingConfig:
-    sampling = args.temperature is not None and args.temperature > 0 and not args.greedy
-    return SamplingConfig(
-        max_new_tokens=args.max_new_tokens, do_sample=sampling,
-        temperature=args.temperature if args.temperature is not None else 1.0,
-        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        eos_token_id=eos_token_id, stop=tuple(args.stop), seed=args.seed,
-    )
+    """The flags as a validated SamplingConfig; a bad value is reported under its flag's name.
+
+    Sampling is on when --temperature > 0 is given, or when --top-k/--top-p/--min-p is set
+    (at temperature 1), unless --greedy; a filter flag is never silently ignored.
+    """
+    filters_set = args.top_k != 0 or args.top_p != 1.0 or args.min_p != 0.0
+    sampling = not args.greedy and (args.temperature > 0 if args.temperature is not None else filters_set)
+    try:
+        return SamplingConfig(
+            max_new_tokens=args.max_new_tokens, do_sample=sampling,
+            temperature=args.temperature if args.temperature is not None else 1.0,
+            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            eos_token_id=eos_token_id, stop=tuple(args.stop), seed=args.seed,
+        )
+    except SamplingError as e:
+        raise ValueError(f"--{e.field.replace('_', '-')} {e.value!r} is invalid: must be {e.allowed}") from None
 
 
 def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -> str:

@@ -13,13 +13,21 @@ computed in float32 whatever the model's dtype.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 
 class SamplingError(ValueError):
-    """An impossible sampling setting; the message names the field, value and allowed range."""
+    """An impossible sampling setting; the message names the field, value and allowed range.
+
+    `field` holds the offending field's name, so a front end (the CLI) can name its own flag.
+    """
+
+    def __init__(self, field: str, value, allowed: str):
+        super().__init__(f"{field}={value!r} is invalid: must be {allowed}")
+        self.field, self.value, self.allowed = field, value, allowed
 
 
 @dataclass(frozen=True)
@@ -47,34 +55,53 @@ class SamplingConfig:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
-        _check(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, "an integer >= 0")
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens,
+               "an integer >= 0")
+        _check(isinstance(self.do_sample, bool), "do_sample", self.do_sample, "True or False")
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
                "a finite number >= 0 (0 means greedy)")
-        _check(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 disables top-k)")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "(0, 1] (1 disables top-p)")
-        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "[0, 1] (0 disables min-p)")
-        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               self.repetition_penalty, "a finite number > 0 (1 disables it)")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 disables top-k)")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1 disables top-p)")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1] (0 disables min-p)")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "a finite number > 0 (1 disables it, > 1 discourages repeats)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(math.isfinite(value) and -2 <= value <= 2, name, value, "[-2, 2] as in OpenAI's API (0 disables it)")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
-        if self.seed is not None:
-            _check(0 <= self.seed < 2**63, "seed", self.seed, "an integer in [0, 2**63)")
+            _check(_is_real(value) and -2 <= value <= 2, name, value, "in [-2, 2] as in OpenAI's API (0 disables it)")
+        eos = self.eos_token_id
+        _check(eos is None or (_is_int(eos) and eos >= 0)
+               or (isinstance(eos, tuple) and eos and all(_is_int(i) and i >= 0 for i in eos)),
+               "eos_token_id", eos, "None (the tokenizer's), a token id >= 0, or a non-empty list of them")
+        _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "a string or a list of non-empty strings")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", self.seed,
+               "None or an integer in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
+        """Argmax decoding: sampling is off, or temperature 0 asks for the limit T -> 0 (the argmax)."""
         return not self.do_sample or self.temperature == 0
 
     def with_(self, **changes) -> "SamplingConfig":
+        """A copy with some fields changed, validated again."""
         return replace(self, **changes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise SamplingError(f"{name}={value!r} is invalid: must be {allowed}")
+        raise SamplingError(name, value, allowed)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingConfig))

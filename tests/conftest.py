@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,3 +44,30 @@ def reference_default_model():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def run_notebook():
+    """Execute notebooks/<name> top to bottom in a fresh kernel; a failing cell fails the test.
+
+    `timeout` bounds each cell (seconds). Returns the executed notebook.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    def run(name: str, timeout: int = 300):
+        nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+        env_path = os.environ.get("PYTHONPATH", "")
+        os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + env_path if env_path else "")
+        os.environ.setdefault("MPLBACKEND", "Agg")
+        try:
+            NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                           resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+        finally:
+            os.environ["PYTHONPATH"] = env_path
+        return nb
+
+    return run
