@@ -48,7 +48,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # 1.0 disables; > 1 discourages any token already in the sequence
     presence_penalty: float = 0.0  # OpenAI semantics: subtracted once from every generated token's logit
     frequency_penalty: float = 0.0  # OpenAI semantics: subtracted per occurrence among generated tokens
-    eos_token_id: int | tuple[int, ...] | None = None  # None: the tokenizer's
+    eos_token_id: int | tuple[int, ...] | None = None  # None: the tokenizer's; (): ignore EOS
     stop: tuple[str, ...] = ()
     seed: int | None = None
 
@@ -74,8 +74,8 @@ class SamplingConfig:
             _check(_is_real(value) and -2 <= value <= 2, name, value, "in [-2, 2] as in OpenAI's API (0 disables it)")
         eos = self.eos_token_id
         _check(eos is None or (_is_int(eos) and eos >= 0)
-               or (isinstance(eos, tuple) and eos and all(_is_int(i) and i >= 0 for i in eos)),
-               "eos_token_id", eos, "None (the tokenizer's), a token id >= 0, or a non-empty list of them")
+               or (isinstance(eos, tuple) and all(_is_int(i) and i >= 0 for i in eos)),
+               "eos_token_id", eos, "None (the tokenizer's), a token id >= 0, or a list of them (empty: never stop on EOS)")
         _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "a string or a list of non-empty strings")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", self.seed,
