@@ -171,18 +171,17 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
 
         sources, next_tokens = [], []
         for a, search in enumerate(active):
+            beam_of, token_of, ranks = source_beam[a].tolist(), token[a].tolist(), next_rank[a].tolist()
             for k in range(num_beams):  # only the top num_beams candidates may finish
                 if hits[a, k]:
-                    search.finished.append((finished_scores[a, k].item(),
-                                            search.beams[source_beam[a, k]] + [token[a, k].item()]))
-            search.finished = sorted(search.finished, key=lambda f: -f[0])[:num_beams]
-            ranks = next_rank[a].tolist()
-            search.beams = [search.beams[source_beam[a, r]] + [token[a, r].item()] for r in ranks]
+                    search.finished.append((finished_scores[a, k].item(), search.beams[beam_of[k]] + [token_of[k]]))
+            search.finished = sorted(search.finished, key=lambda f: -f[0])[:num_beams]  # stable: older first on ties
+            search.beams = [search.beams[beam_of[r]] + [token_of[r]] for r in ranks]
             search.scores = next_scores[a]
             search.done = _is_done(search, num_beams, n_new, config.max_new_tokens, length_penalty, early_stopping)
             if not search.done:
-                sources += [a * num_beams + source_beam[a, r].item() for r in ranks]
-                next_tokens += [token[a, r].item() for r in ranks]
+                sources += [a * num_beams + beam_of[r] for r in ranks]
+                next_tokens += [token_of[r] for r in ranks]
         if stats.forward_passes == 1:
             stats.prefill_seconds = time.perf_counter() - t_start
         if at_length or not sources:
@@ -192,7 +191,7 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
         stats.decode_tokens += len(next_tokens)
 
     stats.decode_seconds = time.perf_counter() - t_start - stats.prefill_seconds
-    stats.extra.update(num_beams=num_beams, decode_tokens_are="beam rows forwarded after the first step")
+    stats.extra.update(num_beams=num_beams)  # decode_tokens counts beam rows forwarded after the first step
     return _output(searches, num_return_sequences, eos, config, tokenizer, stats)
 
 

@@ -13,6 +13,7 @@ import os
 import sys
 
 from .sampling import SamplingConfig, SamplingError
+from .streaming import PrintStreamer
 
 EPILOG = """examples:
   python -m minillm.infer --prompt "What is the capital of France?"
@@ -78,6 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subtract X per occurrence among the generated tokens, in [-2, 2] (0: off)")
     s.add_argument("--seed", type=int, metavar="N", help="random seed: the same seed gives the same text")
 
+    d = p.add_argument_group("speculative decoding (lesson 08; one prompt, same output, faster)")
+    d.add_argument("--speculative", choices=("model", "prompt-lookup"),
+                   help="draft tokens with a smaller model or by copying from the context, verify them in one forward")
+    d.add_argument("--draft-model", metavar="NAME_OR_PATH",
+                   help="draft for --speculative model: a model sharing the target's tokenizer, or layers:N (the "
+                        "target's first N blocks), or dtype:bfloat16 (the target's weights in bfloat16)")
+    d.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="tokens drafted per round (default 4)")
+
+    b = p.add_argument_group("beam search (default: off)")
+    b.add_argument("--num-beams", type=int, default=1, metavar="N",
+                   help="keep the N most probable continuations (beam search, as transformers' num_beams); 1: off")
+    b.add_argument("--length-penalty", type=float, metavar="X",
+                   help="rank finished beams by log-prob / length**X: > 0 favours longer answers (default 1)")
+    b.add_argument("--early-stopping", metavar="WHEN",
+                   help="true: stop once N beams finished; false (default): also when no running beam can win "
+                        "at its current length; never: only when none can win at any length")
+    b.add_argument("--num-return-sequences", type=int, default=1, metavar="K",
+                   help="print the K best beams per prompt, K <= N (default 1)")
+
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (prompt, text, token ids, finish reason, stats) instead "
@@ -107,6 +127,29 @@ def sampling_config(args, eos_token_id=None) -> SamplingConfig:
         raise ValueError(f"--{e.field.replace('_', '-')} {e.value!r} is invalid: must be {e.allowed}") from None
 
 
+def beam_options(args, config: SamplingConfig) -> dict | None:
+    """The beam-search flags, checked before the model load; None without --num-beams > 1."""
+    from .beam import check_beam_options
+
+    given = [flag for flag, value in (("--length-penalty", args.length_penalty),
+                                      ("--early-stopping", args.early_stopping)) if value is not None]
+    if args.num_beams == 1 and args.num_return_sequences == 1:
+        if given:
+            raise ValueError(f"{given[0]} applies to beam search only: add --num-beams N with N > 1")
+        return None
+    early = {None: "false", "true": "true", "false": "false", "never": "never"}.get(
+        args.early_stopping and args.early_stopping.lower())
+    if early is None:
+        raise ValueError(f"--early-stopping {args.early_stopping!r} is invalid: use true, false or never")
+    if getattr(args, "speculative", None):
+        raise ValueError("--num-beams cannot be combined with --speculative: choose one")
+    options = dict(num_beams=args.num_beams, num_return_sequences=args.num_return_sequences,
+                   length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
+                   early_stopping={"true": True, "false": False, "never": "never"}[early])
+    check_beam_options(config, **options)
+    return options
+
+
 def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -> str:
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if chat and not has_template:
@@ -115,18 +158,6 @@ def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -
         return prompt
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-
-class StdoutStreamer:
-    """Prints a single row's text the moment it is final."""
-
-    def put(self, row: int, text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    def end(self) -> None:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
 
 
 def read_prompts_file(path: str) -> list[str]:
@@ -159,30 +190,57 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} is invalid: must be >= 1")
     config = sampling_config(args)  # validate before the (slow) model load
+    beam = beam_options(args, config)
+    if args.speculative:
+        from .speculative import check_num_draft_tokens
+
+        check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
     texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in prompts]
-    stream = not args.json and len(texts) == 1
-    out = generate_in_batches(model, texts, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
-                              streamer=StdoutStreamer() if stream else None)
-    for prompt, row in zip(prompts, out.rows):
+    stream = not args.json and len(texts) == 1 and beam is None
+    if beam is not None:  # every prompt in one search; beams do not stream (they change until the end)
+        from .beam import beam_search
+
+        out = beam_search(model, texts, config, tokenizer=tokenizer, cache=args.cache, **beam)
+    elif args.speculative:
+        from .speculative import make_drafter, speculative_generate
+
+        drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
+        out = speculative_generate(model, texts, drafter, config, num_draft_tokens=args.num_draft_tokens,
+                                   tokenizer=tokenizer, cache=args.cache, streamer=PrintStreamer() if stream else None)
+    else:
+        out = generate_in_batches(model, texts, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
+                                  streamer=PrintStreamer() if stream else None)
+    per_prompt = beam["num_return_sequences"] if beam else 1
+    for i, row in enumerate(out.rows):
+        prompt = prompts[i // per_prompt]
+        score = {"score": out.sequences_scores[i]} if beam else {}
         if args.json:
             print(json.dumps({"prompt": prompt, "text": row.text, "token_ids": row.token_ids,
-                              "prompt_tokens": len(row.prompt_ids), "finish_reason": row.finish_reason,
+                              "prompt_tokens": len(row.prompt_ids), "finish_reason": row.finish_reason, **score,
                               "stats": out.stats.to_dict()}))
         elif not stream:
-            print(f"### {prompt}\n{row.text}\n")
+            label = f" (beam {i % per_prompt + 1}, score {score['score']:.3f})" if beam else ""
+            print(f"### {prompt}{label}\n{row.text}\n")
     if args.stats:
         s = out.stats
         print(f"[{s.prompt_tokens} prompt tokens, time to first token {s.time_to_first_token:.3f} s, "
               f"{s.decode_tokens} decode tokens at {s.decode_tokens_per_second:.1f} tok/s, "
               f"finish: {', '.join(r.finish_reason for r in out.rows)}]", file=sys.stderr)
+        if "acceptance_rate" in s.extra:
+            x = s.extra
+            print(f"[speculative: {x['accepted']}/{x['drafted']} drafted tokens accepted ({x['acceptance_rate']:.0%}), "
+                  f"{x['tokens_per_target_forward']:.2f} tokens per target forward]", file=sys.stderr)
     return 0
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad flag, already reported on one line (2)
+        return e.code
     try:
         return run(args)
     except KeyboardInterrupt:

@@ -86,6 +86,8 @@ class StaticCache(KVCache):
         shape = (n_layer, batch, n_kv_head, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_layers = [self.k[layer] for layer in range(n_layer)]  # per-layer views, made once
+        self.v_layers = [self.v[layer] for layer in range(n_layer)]
         self.max_len = max_len
         self.batch = batch
         self.filled = [0] * n_layer  # tokens written per layer (equal between forwards)
@@ -97,15 +99,18 @@ class StaticCache(KVCache):
 
     def update(self, layer, k_new, v_new):
         start, T = self.filled[layer], k_new.shape[2]
-        if start + T > self.max_len:
+        end = start + T
+        if end > self.max_len:
             raise RuntimeError(
                 f"static KV cache is full: it holds {start} of {self.max_len} tokens and {T} more were written; "
                 f"create it with a larger max_len"
             )
-        self.k[layer, : self.batch, :, start : start + T] = k_new
-        self.v[layer, : self.batch, :, start : start + T] = v_new
-        self.filled[layer] = start + T
-        return self.k[layer, : self.batch, :, : start + T], self.v[layer, : self.batch, :, : start + T]
+        k_all = self.k_layers[layer][: self.batch, :, :end]  # [B, n_kv_head, end, head_dim], a view
+        v_all = self.v_layers[layer][: self.batch, :, :end]
+        k_all[:, :, start:].copy_(k_new)
+        v_all[:, :, start:].copy_(v_new)
+        self.filled[layer] = end
+        return k_all, v_all
 
     @property
     def length(self) -> int:

@@ -97,9 +97,11 @@ def expected_tokens_per_round(acceptance_rate: float, k: int) -> float:
     return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def predicted_speedup(acceptance_rate: float, k: int, cost_ratio: float) -> float:
-    """Expected speedup over plain decoding when a draft forward costs `cost_ratio` target forwards."""
-    return expected_tokens_per_round(acceptance_rate, k) / (k * cost_ratio + 1)
+def predicted_speedup(acceptance_rate: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """Expected speedup over plain decoding when a draft forward costs `cost_ratio` target forwards
+    and verifying k + 1 tokens costs `verify_cost` one-token target forwards (1 when weight
+    reads dominate; more on a CPU, where k + 1 rows of arithmetic are not free)."""
+    return expected_tokens_per_round(acceptance_rate, k) / (k * cost_ratio + verify_cost)
 
 
 # ------------------------------------------------------------------ drafters
@@ -273,9 +275,9 @@ def make_drafter(kind: str, target, draft_model: str | None = None, dtype="float
     raise ValueError(f"--speculative {kind!r} is invalid: use one of {', '.join(DRAFTERS)}")
 
 
-def check_num_draft_tokens(k) -> None:
+def check_num_draft_tokens(k, name: str = "num_draft_tokens") -> None:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"num_draft_tokens={k!r} is invalid: must be an integer >= 1 (tokens drafted per round)")
+        raise ValueError(f"{name}={k!r} is invalid: must be an integer >= 1 (tokens drafted per round)")
 
 
 # ------------------------------------------------------------------ the decode loop
@@ -335,6 +337,7 @@ class SpeculativeDecoder:
         if self.streamer is not None and (piece := self.state.new_text()):
             self.streamer.put(0, piece)
 
+    @torch.inference_mode()
     def prefill(self) -> int:
         """Forward the prompt, emit the first token exactly as plain decoding does."""
         device = self.model.device
@@ -345,6 +348,7 @@ class SpeculativeDecoder:
         self._emit(token)
         return token
 
+    @torch.inference_mode()
     def round(self) -> Round:
         """Draft up to k tokens, verify them in one target forward, keep the agreed prefix + one."""
         remaining = self.config.max_new_tokens - len(self.state.token_ids)

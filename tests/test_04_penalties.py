@@ -70,7 +70,7 @@ def test_repetition_penalty_matches_transformers(penalty):
     if penalty != 1.0:  # each row was penalised on its own history
         changed = ours != logits
         for row, seq in enumerate(sequences):
-            finite_nonzero = {t for t in range(VOCAB) if logits[row, t].abs() not in (0, math.inf)}
+            finite_nonzero = {t for t in range(VOCAB) if abs(logits[row, t].item()) not in (0.0, math.inf)}
             assert set(torch.nonzero(changed[row]).flatten().tolist()) == set(seq) & finite_nonzero
 
 
@@ -142,15 +142,16 @@ def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
 def test_greedy_repetition_penalty_matches_transformers_generate(tiny, penalty):
     hf_model, model = tiny
-    new_tokens, changed = 30, 0
+    config = SamplingConfig(max_new_tokens=30, eos_token_id=hf_model.generation_config.eos_token_id)  # both stop alike
+    changed = 0
     for prompt in random_prompts(3, model.config.vocab_size, seed=4):
         ids = torch.tensor([prompt])
         reference = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      repetition_penalty=penalty, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      repetition_penalty=penalty, max_new_tokens=config.max_new_tokens,
                                       pad_token_id=0)[0, len(prompt):].tolist()
-        ours = generate(model, prompt, max_new_tokens=new_tokens, repetition_penalty=penalty).rows[0].token_ids
+        ours = generate(model, prompt, config, repetition_penalty=penalty).rows[0].token_ids
         assert ours == reference
-        changed += ours != generate(model, prompt, max_new_tokens=new_tokens).rows[0].token_ids
+        changed += ours != generate(model, prompt, config).rows[0].token_ids
     assert changed > 0, "the penalty never changed the output: the check would not notice it missing"
 
 

@@ -191,13 +191,20 @@ def default_prompts(tokenizer) -> list[list[int]]:
             tokenizer.encode("def fibonacci(n):")]
 
 
+@pytest.fixture(scope="module")
+def default_singles(default_model):
+    """Each default prompt generated alone (static cache; lesson 06 checks every cache gives the same tokens)."""
+    model, tokenizer = default_model
+    return [generate(model, p, tokenizer=tokenizer, max_new_tokens=16).rows[0] for p in default_prompts(tokenizer)]
+
+
 @pytest.mark.parametrize("cache", ["static", "dynamic"])
-def test_default_model_batched_equals_unbatched(default_model, cache):
+def test_default_model_batched_equals_unbatched(default_model, default_singles, cache):
     model, tokenizer = default_model
     prompts = default_prompts(tokenizer)
     assert [len(p) for p in prompts][:2] == [1, 200]
     batched = generate(model, prompts, tokenizer=tokenizer, max_new_tokens=16, cache=cache)
-    singles = [generate(model, p, tokenizer=tokenizer, max_new_tokens=16, cache=cache).rows[0] for p in prompts]
+    singles = default_singles
     assert batched.token_ids == [r.token_ids for r in singles]
     assert batched.texts == [r.text for r in singles]
     assert [r.finish_reason for r in batched.rows] == ["length", "length", "eos", "length"]

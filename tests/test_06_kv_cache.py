@@ -1,0 +1,155 @@
+"""Lesson 06: KV caches. Every cache kind must give exactly the tokens of recomputing everything."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from minillm.infer import generate
+from minillm.kv_cache import DynamicCache, StaticCache, make_cache
+from minillm.model import Transformer, causal_positions
+from minillm.tiny import tiny_pair
+
+CACHES = ("static", "dynamic", "none")
+
+
+def brute_force_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding the slow, obvious way: a full forward over the last block_size tokens per step."""
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            window = seq[-model.config.block_size:]
+            logits = model(torch.tensor([window]), causal_positions(1, len(window)))
+            seq.append(int(logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("new_tokens", [20, 90], ids=["within-context", "past-context"])
+def test_all_caches_give_brute_force_tokens(kind, new_tokens):
+    _, model = tiny_pair(kind)  # block_size 64: 30 + 90 tokens slides the window 56 times
+    prompt = torch.randint(0, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    expected = brute_force_greedy(model, prompt, new_tokens)
+    for cache in CACHES:
+        out = generate(model, [prompt], cache=cache, max_new_tokens=new_tokens)
+        assert out.token_ids[0] == expected, cache
+
+
+def test_caches_agree_with_transformers_generate(tiny):
+    hf_model, model = tiny
+    prompt = [5, 17, 42, 8, 3, 60, 11]
+    hf_model.generation_config.eos_token_id = None
+    expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+    for cache in CACHES:
+        assert generate(model, [prompt], cache=cache, max_new_tokens=40).token_ids[0] == expected, cache
+
+
+def test_batched_caches_agree_past_the_context(tiny):
+    _, model = tiny
+    prompts = [[1, 2, 3], list(range(10, 50))]
+    outs = {c: generate(model, prompts, cache=c, max_new_tokens=45, window_slide=4).token_ids for c in CACHES}
+    assert outs["static"] == outs["dynamic"] == outs["none"]
+
+
+def small_context_copy(model, block_size: int) -> Transformer:
+    """The same weights with a shorter context: makes sliding-window runs on the real model affordable."""
+    small = Transformer(replace(model.config, block_size=block_size))
+    small.load_state_dict(model.state_dict(), strict=True)
+    return small.eval()
+
+
+def test_default_model_caches_agree_past_the_context(default_model):
+    model, tokenizer = default_model
+    small = small_context_copy(model, block_size=20)
+    prompt = tokenizer.encode("The three primary colours are")
+    outs = {c: generate(small, [prompt], cache=c, max_new_tokens=24, eos_token_id=()).token_ids[0] for c in CACHES}
+    assert len(prompt) + 24 > 20  # the window really slid
+    assert outs["static"] == outs["dynamic"] == outs["none"]
+
+
+def test_default_model_caches_agree_within_the_context(default_model):
+    model, tokenizer = default_model
+    prompt = tokenizer.encode("Once upon a time")
+    outs = {c: generate(model, [prompt], cache=c, max_new_tokens=16, eos_token_id=()).token_ids[0] for c in CACHES}
+    assert outs["static"] == outs["dynamic"] == outs["none"]
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_crop_then_refeed_gives_the_same_logits(tiny, cache_kind):
+    _, model = tiny
+    tokens = torch.randint(0, model.config.vocab_size, (2, 24))
+    positions = causal_positions(2, 24)
+    with torch.inference_mode():
+        cache = make_cache(cache_kind, model, 2, 32)
+        never_cropped = model(tokens, positions, cache=cache)[:, 15:]
+        cache.crop(15)
+        assert cache.length == 15
+        refed = model(tokens[:, 15:], positions[:, 15:], cache=cache)
+    torch.testing.assert_close(refed, never_cropped, atol=1e-5, rtol=1e-5)
+    assert cache.length == 24
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_reorder_keeps_the_chosen_rows(tiny, cache_kind):
+    _, model = tiny
+    tokens = torch.randint(0, model.config.vocab_size, (3, 10))
+    positions = causal_positions(3, 10)
+    index = torch.tensor([2, 0, 0])  # drop row 1, keep row 2 first, duplicate row 0 (a beam search step)
+    with torch.inference_mode():
+        cache = make_cache(cache_kind, model, 3, 16)
+        model(tokens, positions, cache=cache)
+        cache.reorder(index)
+        after = model(tokens[index, -1:], positions[index, -1:] + 1, cache=cache)
+        fresh = make_cache(cache_kind, model, 3, 16)
+        model(tokens[index], positions[index], cache=fresh)
+        expected = model(tokens[index, -1:], positions[index, -1:] + 1, cache=fresh)
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_static_cache_never_reallocates_while_decoding(tiny):
+    _, model = tiny
+    cache = StaticCache.for_model(model, batch=1, max_len=40)
+    storage = (cache.k.data_ptr(), cache.v.data_ptr())
+    prompt = torch.arange(8)[None]
+    with torch.inference_mode():
+        logits = model(prompt, causal_positions(1, 8), cache=cache)
+        for t in range(8, 40):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            logits = model(token, torch.tensor([[t]]), cache=cache)
+            k_all, _ = cache.update(0, *([cache.k[0, :1, :, :0]] * 2))  # a zero-length write returns the view
+            assert k_all.data_ptr() == cache.k.data_ptr()  # attention reads the preallocated storage itself
+    assert (cache.k.data_ptr(), cache.v.data_ptr()) == storage
+    assert cache.length == 40
+
+
+def test_static_cache_overflow_is_a_clear_error(tiny):
+    _, model = tiny
+    cache = StaticCache.for_model(model, batch=1, max_len=8)
+    with torch.inference_mode():
+        model(torch.arange(8)[None], causal_positions(1, 8), cache=cache)
+        with pytest.raises(RuntimeError, match="static KV cache is full: it holds 8 of 8 tokens"):
+            model(torch.tensor([[1]]), torch.tensor([[8]]), cache=cache)
+
+
+def test_dynamic_cache_grows_by_one_column_per_step(tiny):
+    _, model = tiny
+    cache = DynamicCache(model.config.n_layer)
+    with torch.inference_mode():
+        model(torch.arange(5)[None], causal_positions(1, 5), cache=cache)
+        model(torch.tensor([[7]]), torch.tensor([[5]]), cache=cache)
+    assert cache.length == 6 and cache.keys[0].shape[2] == 6
+
+
+def test_bad_cache_kind_and_crop_are_clear_errors(tiny):
+    _, model = tiny
+    with pytest.raises(ValueError, match="unknown cache kind 'paged'"):
+        make_cache("paged", model, 1, 8)
+    with pytest.raises(ValueError, match=r"crop\(5\)"):
+        make_cache("static", model, 1, 8).crop(5)
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("06_kv_cache.ipynb", timeout=600)
