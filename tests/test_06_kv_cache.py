@@ -153,3 +153,20 @@ def test_bad_cache_kind_and_crop_are_clear_errors(tiny):
 
 def test_notebook_runs(run_notebook):
     run_notebook("06_kv_cache.ipynb", timeout=600)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("out_features", [96, 50])  # 50 is not a multiple of the 8 splits: plain F.linear
+@pytest.mark.parametrize("bias", [True, False])
+def test_split_linear_equals_plain_linear(rows, out_features, bias):
+    """The decode-speed Linear (one batched matmul over weight row blocks) computes F.linear."""
+    from minillm.model import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(40, out_features, bias=bias)
+    x = torch.randn(2, rows, 40)
+    expected = torch.nn.functional.linear(x.double(), layer.weight.double(),
+                                          None if layer.bias is None else layer.bias.double())
+    got = layer(x)
+    assert got.shape == (2, rows, out_features)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
