@@ -160,15 +160,17 @@ class Linear(nn.Linear):
     ~16 GB/s of a ~45 GB/s read bandwidth). Viewing the weight [out, in] as `splits`
     blocks [splits, out/splits, in] costs nothing, and one batched matmul over the
     blocks hands each core its own share to stream. Each output is still one dot
-    product of the same numbers; only which core computes it changes.
+    product of the same numbers; only which core computes it changes. Float32 only:
+    the bf16/fp16 CPU kernels already use every core, and splitting slows them down.
     """
 
     splits = 8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_features = self.weight.shape[0]
-        if x.device.type != "cpu" or out_features % self.splits:
-            return F.linear(x, self.weight, self.bias)  # GPUs (and odd sizes) need no help
+        if x.device.type != "cpu" or self.weight.dtype != torch.float32 or out_features % self.splits:
+            # GPUs, CPU bf16/fp16 kernels (oneDNN, already multi-core) and odd sizes need no help.
+            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
         blocks = self.weight.view(self.splits, out_features // self.splits, -1)  # [splits, out/splits, in]
         y = torch.bmm(rows.expand(self.splits, *rows.shape), blocks.transpose(1, 2))  # [splits, N, out/splits]
