@@ -151,31 +151,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU matmul is one batched matmul over row blocks of the weight.
+    """nn.Linear whose float32 CPU matmul runs oneDNN on a weight packed once, ahead of time.
 
-    Decoding multiplies a handful of activation rows by every weight matrix: a
-    matrix-vector product whose cost is reading the weight from memory. On CPU,
-    PyTorch's BLAS streams such a product through one core while the others idle,
-    so the machine's memory bandwidth goes unused (measured on the course machine:
-    ~16 GB/s of a ~45 GB/s read bandwidth). Viewing the weight [out, in] as `splits`
-    blocks [splits, out/splits, in] costs nothing, and one batched matmul over the
-    blocks hands each core its own share to stream. Each output is still one dot
-    product of the same numbers; only which core computes it changes. Float32 only:
-    the bf16/fp16 CPU kernels already use every core, and splitting slows them down.
+    PyTorch's CPU `F.linear` calls MKL's sgemm, which on this course's AMD CPU takes a
+    path that is slow at the shapes inference needs: a decode step multiplies 1-32
+    activation rows by each weight, and MKL streams such a product at ~16 GB/s of a
+    ~45 GB/s read bandwidth, and reaches less than half the machine's FLOP rate once
+    there are 8-16 rows (a batch, or a speculative verify). oneDNN (PyTorch's other CPU
+    math library) is 1.5-3x faster at every one of those shapes, prefill included, but
+    only on a weight it has first reordered ("packed") into the blocked layout its
+    kernels read. Packing costs about one pass over the weight, so it is done on the
+    first forward and kept (twice the weight memory) until the weight changes.
+
+    The products are the same dot products summed in another order: results differ from
+    F.linear by float32 rounding, as any two BLAS libraries do. Everything else (GPUs,
+    bf16/fp16, training, a PyTorch without oneDNN) takes plain F.linear.
     """
 
-    splits = 8
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_features = self.weight.shape[0]
-        if x.device.type != "cpu" or self.weight.dtype != torch.float32 or out_features % self.splits:
-            # GPUs, CPU bf16/fp16 kernels (oneDNN, already multi-core) and odd sizes need no help.
+        packed = self._packed_weight() if self._onednn_applies(x) else None
+        if packed is None:
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])  # [N, in]
-        blocks = self.weight.view(self.splits, out_features // self.splits, -1)  # [splits, out/splits, in]
-        y = torch.bmm(rows.expand(self.splits, *rows.shape), blocks.transpose(1, 2))  # [splits, N, out/splits]
-        y = y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # [..., out]
-        return y if self.bias is None else y + self.bias
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def _onednn_applies(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (x.device.type == "cpu" and w.dtype == x.dtype == torch.float32
+                and not (torch.is_grad_enabled() and w.requires_grad)  # the oneDNN op has no backward
+                and torch.backends.mkldnn.is_available())
+
+    def _packed_weight(self):
+        """oneDNN's copy of the weight, repacked whenever the weight is replaced or edited."""
+        w = self.weight
+        key = (w.data_ptr(), w.shape, None if w.is_inference() else w._version)
+        if getattr(self, "_packed_key", None) != key:
+            # batch_size is the row count the layout is tuned for: small, as in decoding.
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+            self._packed_key = key
+        return self._packed
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.float()`, `.cuda()` replace the weight: drop the packed copy with it."""
+        for name in ("_packed", "_packed_key"):
+            self.__dict__.pop(name, None)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        """Copies and pickles leave the packed copy behind (oneDNN tensors cannot be copied)."""
+        return {k: v for k, v in super().__getstate__().items() if k not in ("_packed", "_packed_key")}
 
 
 class Attention(nn.Module):

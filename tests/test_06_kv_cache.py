@@ -155,18 +155,61 @@ def test_notebook_runs(run_notebook):
     run_notebook("06_kv_cache.ipynb", timeout=600)
 
 
+def _linear_reference(layer, x):
+    """F.linear in float64: the exact product the fast Linear must approximate to float32 rounding."""
+    bias = None if layer.bias is None else layer.bias.double()
+    return torch.nn.functional.linear(x.double(), layer.weight.double(), bias)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 64])
-@pytest.mark.parametrize("out_features", [96, 50])  # 50 is not a multiple of the 8 splits: plain F.linear
+@pytest.mark.parametrize("out_features", [96, 50])
 @pytest.mark.parametrize("bias", [True, False])
-def test_split_linear_equals_plain_linear(rows, out_features, bias):
-    """The decode-speed Linear (one batched matmul over weight row blocks) computes F.linear."""
+def test_fast_linear_equals_plain_linear(rows, out_features, bias):
+    """The decode-speed Linear (oneDNN on a prepacked weight) computes F.linear."""
     from minillm.model import Linear
 
     torch.manual_seed(0)
-    layer = Linear(40, out_features, bias=bias)
+    layer = Linear(40, out_features, bias=bias).requires_grad_(False)
     x = torch.randn(2, rows, 40)
-    expected = torch.nn.functional.linear(x.double(), layer.weight.double(),
-                                          None if layer.bias is None else layer.bias.double())
-    got = layer(x)
+    with torch.inference_mode():
+        got = layer(x)
     assert got.shape == (2, rows, out_features)
-    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), _linear_reference(layer, x), atol=1e-5, rtol=1e-5)
+
+
+def test_fast_linear_repacks_when_the_weight_changes():
+    """A stale packed copy would keep computing with the old weight after a load or an edit."""
+    from minillm.model import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(16, 24).requires_grad_(False)
+    x = torch.randn(3, 16)
+    layer(x)
+    layer.load_state_dict({"weight": torch.randn(24, 16), "bias": torch.randn(24)})  # copied in place
+    torch.testing.assert_close(layer(x).double(), _linear_reference(layer, x), atol=1e-5, rtol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.randn(24, 16), requires_grad=False)  # a new tensor
+    torch.testing.assert_close(layer(x).double(), _linear_reference(layer, x), atol=1e-5, rtol=1e-5)
+
+
+def test_fast_linear_survives_deepcopy_and_dtype_changes():
+    """Lessons copy models (drafts, precision variants); the packed copy must not get in the way."""
+    import copy
+
+    from minillm.model import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(16, 24).requires_grad_(False)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        expected = layer(x)
+        torch.testing.assert_close(copy.deepcopy(layer)(x), expected)
+        torch.testing.assert_close(layer.double()(x.double()).float(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fast_linear_keeps_gradients_when_training():
+    """With gradients wanted, Linear falls back to F.linear, which has a backward."""
+    from minillm.model import Linear
+
+    layer = Linear(8, 4)
+    layer(torch.randn(2, 8)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
