@@ -1,8 +1,8 @@
 """Many sequences of different lengths in one forward: left padding, masks, positions.
 
-A KV cache appends each row's new key at the same column for every row, so the
-rows must end together: shorter prompts are padded on the *left*. Padding must
-then be invisible:
+A cache with one length for the whole batch appends each row's new key at the same
+column for every row, so the rows must end together: shorter prompts are padded on
+the *left* (transformers' way). Padding must then be invisible:
 
 * attention: no real query may attend to a padding key (the padding mask);
 * positions: a row's first real token has position 0 however much padding precedes
@@ -13,9 +13,15 @@ then be invisible:
 
 `attention_mask` turns `key_valid` into the [B, T, S] boolean mask the model takes.
 
-Right padding (`pad_right`, `greedy_right_padded`) is here for comparison: it works
-only without a cache, where every step rebuilds the batch. `generate_in_batches`
-runs any number of prompts in length-sorted chunks of a given batch size.
+minillm's decode session (`minillm.session`) goes one step further: its cache keeps a
+length per row, so rows are aligned on the left, padded on the right only during
+prefill, and may then grow and roll back independently (what speculative decoding and
+continuous batching need). Both layouts give every row exactly its unbatched tokens.
+
+Right padding (`pad_right`, `greedy_right_padded`) is here for comparison: without a
+cache every step rebuilds the batch, so a right-padded row simply continues after its
+last token. `length_sorted_chunks` groups prompts of similar lengths into batches
+(`minillm.infer.generate_in_batches` runs them).
 """
 
 from __future__ import annotations
@@ -110,44 +116,3 @@ def length_sorted_chunks(lengths: list[int], batch_size: int) -> list[list[int]]
         raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-class _ChunkStreamer:
-    """Forwards a chunk's rows to the caller's streamer under their input index."""
-
-    def __init__(self, streamer, index: list[int]):
-        self.streamer, self.index = streamer, index
-
-    def put(self, row: int, text: str) -> None:
-        self.streamer.put(self.index[row], text)
-
-    def end(self) -> None:  # the caller's streamer ends once, after the last chunk
-        pass
-
-
-def generate_in_batches(model, prompts, batch_size: int, config=None, *, tokenizer=None, streamer=None,
-                        **generate_kwargs):
-    """`generate()` over many prompts, at most `batch_size` at a time.
-
-    Prompts are grouped by length (`length_sorted_chunks`); rows come back in input
-    order and the statistics are summed over the chunks. Each row's tokens are the
-    ones `generate()` gives it alone, so the split changes speed, never output.
-    """
-    from .infer import GenerationOutput, GenerationStats, check_prompts, encode_prompts, generate  # infer imports us
-
-    rows = encode_prompts(prompts, tokenizer)
-    check_prompts(rows, model.config.block_size, model.config.vocab_size)  # name the bad row by its input index
-    outputs, stats = [None] * len(rows), GenerationStats()
-    for index in length_sorted_chunks([len(r) for r in rows], batch_size):
-        chunk_streamer = _ChunkStreamer(streamer, index) if streamer is not None else None
-        out = generate(model, [rows[i] for i in index], config, tokenizer=tokenizer, streamer=chunk_streamer,
-                       **generate_kwargs)
-        for i, row in zip(index, out.rows):
-            outputs[i] = row
-        for name in ("prompt_tokens", "prefill_seconds", "decode_tokens", "decode_seconds", "forward_passes"):
-            setattr(stats, name, getattr(stats, name) + getattr(out.stats, name))
-        for key, value in out.stats.extra.items():  # counters (drafted, accepted, ...) add up
-            stats.extra[key] = stats.extra.get(key, 0) + value if isinstance(value, (int, float)) else value
-    if streamer is not None:
-        streamer.end()
-    return GenerationOutput(outputs, stats)

@@ -29,9 +29,10 @@ The rules follow transformers' `generate(num_beams=..., do_sample=False)` exactl
     hypothesis is scored at the longest length it could reach (the exact bound).
 * Generation stops when every prompt is done or `max_new_tokens` is reached.
 
-The cache follows the beams with `cache.reorder`: the prompt is prefilled once per
-prompt and copied to its beams, and each step gathers every surviving beam's rows
-(a beam chosen twice is duplicated, an abandoned one dropped), as do finished prompts.
+The cache follows the beams through the decode session's `select`: the prompt is
+prefilled once per prompt and copied to its beams, and each step gathers every
+surviving beam's rows (a beam chosen twice is duplicated, an abandoned one dropped),
+as do finished prompts.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .infer import (GenerationOutput, GenerationStats, RowOutput, _Batch, check_prompts, encode_prompts,
-                    generate)
-from .kv_cache import make_cache
+from .generation import GenerationOutput, GenerationStats, RowOutput, check_prompts, encode_prompts
+from .infer import generate
 from .sampling import SamplingConfig
+from .session import DecodeSession
 from .stopping import RowState, eos_ids
 
 EARLY_STOPPING = (True, False, "never")
@@ -145,13 +146,11 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     t_start = time.perf_counter()
     n_prompts, vocab = len(prompt_ids), model.config.vocab_size
     candidates = max(2, 1 + len(eos)) * num_beams  # enough that num_beams unfinished ones remain
-    kv = make_cache(cache, model, n_prompts * num_beams, longest + config.max_new_tokens)
-    batch = _Batch(model, list(range(n_prompts)), [list(p) for p in prompt_ids], [0] * n_prompts, kv)
-    logits = batch.prefill()  # [P, V]: one forward per prompt, then copied to its beams
+    session = DecodeSession(model, cache, max_len=longest + config.max_new_tokens, max_batch=n_prompts * num_beams)
+    logits = session.prefill(prompt_ids)  # [P, V]: one forward per prompt, then copied to its beams
     stats.forward_passes += 1
     logits = logits.repeat_interleave(num_beams, dim=0)  # [P * num_beams, V]
-    if kv is not None:
-        batch.keep(torch.arange(n_prompts).repeat_interleave(num_beams).tolist())
+    session.select(torch.arange(n_prompts).repeat_interleave(num_beams))
     first_scores = torch.full((num_beams,), EXCLUDED)
     first_scores[0] = 0.0  # all beams are the same prompt: only the first may expand at step 1
     searches = [_Prompt(ids, [[] for _ in range(num_beams)], first_scores.clone()) for ids in prompt_ids]
@@ -186,7 +185,8 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
             stats.prefill_seconds = time.perf_counter() - t_start
         if at_length or not sources:
             break
-        logits = _forward(model, batch, kv, searches, sources, next_tokens)
+        session.select(sources)  # the cache rows follow their beams: duplicated, kept or dropped
+        logits = session.extend(torch.tensor(next_tokens, device=model.device)[:, None])[:, -1]
         stats.forward_passes += 1
         stats.decode_tokens += len(next_tokens)
 
@@ -204,15 +204,6 @@ def _is_done(search: _Prompt, num_beams, n_new, max_new_tokens, length_penalty, 
     reachable = max_new_tokens if (early_stopping == "never" and length_penalty > 0) else n_new
     best_running = (search.scores[:1] / (reachable ** length_penalty)).item()
     return not best_running > search.finished[-1][0]
-
-
-def _forward(model, batch, kv, searches, sources, next_tokens) -> torch.Tensor:
-    """Next-token logits for the surviving beams [rows, V]; `sources` are their rows in the last step."""
-    if kv is None:  # no cache: forward every hypothesis in full
-        rows = [s.prompt_ids + beam for s in searches if not s.done for beam in s.beams]
-        return _Batch(model, list(range(len(rows))), rows, [0] * len(rows), None).prefill()
-    batch.keep(sources)  # the cache rows (and padding masks, positions) follow their beams
-    return batch.step(torch.tensor(next_tokens, device=model.device))
 
 
 def _output(searches, num_return_sequences, eos, config, tokenizer, stats) -> BeamSearchOutput:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+from pathlib import Path
 
+from . import jsonio
 from .sampling import SamplingConfig, SamplingError
 from .streaming import PrintStreamer
 
@@ -51,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and compute precision: float32 (default), bfloat16 or float16 (also fp32/bf16/fp16)")
     p.add_argument("--cache", default="static", choices=("static", "dynamic", "none"),
                    help="KV cache: 'static' (preallocated, default), 'dynamic' (grows), 'none' (recompute each step)")
+    p.add_argument("--plain", action="store_true",
+                   help="run the plain from-scratch model, without the fast paths swapped in after loading "
+                        "(oneDNN float32 matmuls on CPU); same tokens, slower")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when the model has one)")
@@ -85,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--draft-model", metavar="NAME_OR_PATH",
                    help="draft for --speculative model: a model sharing the target's tokenizer, or layers:N (the "
                         "target's first N blocks), or dtype:bfloat16 (the target's weights in bfloat16)")
-    d.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="tokens drafted per round (default 4)")
+    d.add_argument("--num-draft-tokens", type=int, metavar="K", help="tokens drafted per round (default 4)")
 
     b = p.add_argument_group("beam search (default: off)")
     b.add_argument("--num-beams", type=int, default=1, metavar="N",
@@ -150,6 +156,20 @@ def beam_options(args, config: SamplingConfig) -> dict | None:
     return options
 
 
+def check_flag_combinations(args) -> None:
+    """Flags that only mean something with another flag are refused without it, never ignored."""
+    from .speculative import check_num_draft_tokens
+
+    if not args.speculative:
+        for flag, value in (("--draft-model", args.draft_model), ("--num-draft-tokens", args.num_draft_tokens)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to speculative decoding only: add --speculative")
+    elif args.num_draft_tokens is not None:
+        check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
+    if args.system is not None and args.chat is False:
+        raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
+
+
 def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -> str:
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if chat and not has_template:
@@ -161,24 +181,49 @@ def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -
 
 
 def read_prompts_file(path: str) -> list[str]:
-    """One prompt per line, or with a .jsonl name one JSON object with a "prompt" field per line."""
-    with open(path, encoding="utf-8") as f:
-        lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]
-    if not path.endswith(".jsonl"):
-        return [line for _, line in lines]
-    prompts = []
-    for n, line in lines:
-        try:
-            prompts.append(json.loads(line)["prompt"])
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{path} line {n} is not a JSON object with a \"prompt\" field") from None
-        if not isinstance(prompts[-1], str):
-            raise ValueError(f"{path} line {n}: \"prompt\" must be a string")
-    return prompts
+    """Prompts from a file, by its name's ending (any case):
+
+    .jsonl   one JSON object with a "prompt" field per line
+    .json    a JSON list of strings or of such objects
+    other    one prompt per line (blank lines skipped)
+
+    UTF-8, with or without a byte-order mark.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"cannot read --prompts-file {path}: {e.strerror}") from None
+    suffix = Path(path).suffix.lower()
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if suffix == ".jsonl":
+        return [_prompt_of(_parse_json(line, f"{path} line {n}"), f"{path} line {n}") for n, line in lines]
+    if suffix == ".json":
+        items = _parse_json(text, path)
+        if not isinstance(items, list):
+            raise ValueError(f"{path} must hold a JSON list of prompts (strings or {{\"prompt\": ...}} objects)")
+        return [_prompt_of(item, f"{path} item {i}") for i, item in enumerate(items)]
+    return [line for _, line in lines]
+
+
+def _parse_json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where} is not valid JSON ({e.msg})") from None
+
+
+def _prompt_of(item, where: str) -> str:
+    prompt = item.get("prompt") if isinstance(item, dict) else item
+    if not isinstance(prompt, str):
+        raise ValueError(f"{where} is not a JSON object with a \"prompt\" field (a string), nor a string")
+    return prompt
 
 
 def run(args) -> int:
-    from .batching import generate_in_batches
+    from .infer import generate_in_batches
     from .loading import load_model
 
     prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
@@ -191,11 +236,8 @@ def run(args) -> int:
         raise ValueError(f"--batch-size {args.batch_size} is invalid: must be >= 1")
     config = sampling_config(args)  # validate before the (slow) model load
     beam = beam_options(args, config)
-    if args.speculative:
-        from .speculative import check_num_draft_tokens
-
-        check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    check_flag_combinations(args)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
     texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in prompts]
@@ -208,7 +250,7 @@ def run(args) -> int:
         from .speculative import make_drafter, speculative_generate
 
         drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
-        out = speculative_generate(model, texts, drafter, config, num_draft_tokens=args.num_draft_tokens,
+        out = speculative_generate(model, texts, drafter, config, num_draft_tokens=args.num_draft_tokens or 4,
                                    tokenizer=tokenizer, cache=args.cache, streamer=PrintStreamer() if stream else None)
     else:
         out = generate_in_batches(model, texts, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
@@ -218,7 +260,7 @@ def run(args) -> int:
         prompt = prompts[i // per_prompt]
         score = {"score": out.sequences_scores[i]} if beam else {}
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": row.text, "token_ids": row.token_ids,
+            print(jsonio.dumps({"prompt": prompt, "text": row.text, "token_ids": row.token_ids,
                               "prompt_tokens": len(row.prompt_ids), "finish_reason": row.finish_reason, **score,
                               "stats": out.stats.to_dict()}))
         elif not stream:
@@ -226,26 +268,54 @@ def run(args) -> int:
             print(f"### {prompt}{label}\n{row.text}\n")
     if args.stats:
         s = out.stats
+        rate = s.decode_tokens_per_second
         print(f"[{s.prompt_tokens} prompt tokens, time to first token {s.time_to_first_token:.3f} s, "
-              f"{s.decode_tokens} decode tokens at {s.decode_tokens_per_second:.1f} tok/s, "
+              f"{s.decode_tokens} decode tokens at {'-' if rate is None else f'{rate:.1f}'} tok/s, "
               f"finish: {', '.join(r.finish_reason for r in out.rows)}]", file=sys.stderr)
         if "acceptance_rate" in s.extra:
             x = s.extra
-            print(f"[speculative: {x['accepted']}/{x['drafted']} drafted tokens accepted ({x['acceptance_rate']:.0%}), "
-                  f"{x['tokens_per_target_forward']:.2f} tokens per target forward]", file=sys.stderr)
+            rate, per_forward = x["acceptance_rate"], x["tokens_per_target_forward"]
+            print(f"[speculative: {x['accepted']}/{x['drafted']} drafted tokens accepted "
+                  f"({'-' if rate is None else f'{rate:.0%}'}), "
+                  f"{'-' if per_forward is None else f'{per_forward:.2f}'} tokens per target forward]", file=sys.stderr)
     return 0
 
 
+def negative_values_attached(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--temperature -inf` -> `--temperature=-inf`: argparse would read a value that starts
+    with '-' (and is not a plain number) as a flag and report "expected one argument"."""
+    takes_value = {option for action in parser._actions if action.nargs is None and action.option_strings
+                   for option in action.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1] not in parser._option_string_actions:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv=None) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on Ctrl-C is a KeyboardInterrupt
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(negative_values_attached(parser, sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # --help (0) or a bad flag, already reported on one line (2)
         return e.code
+    if sys.stdout is None or sys.stdout.closed:
+        print("minillm: error: standard output is closed: redirect it to a file or a pipe", file=sys.stderr)
+        return 2
     try:
         return run(args)
     except KeyboardInterrupt:
         print("\nminillm: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:  # the CLI's promise: one clear line, no traceback
         if os.environ.get("MINILLM_DEBUG"):
             raise

@@ -6,9 +6,13 @@
     out = generate(model, ["The capital of France is"], tokenizer=tok, max_new_tokens=20)
     out.rows[0].text, out.rows[0].finish_reason, out.stats.decode_tokens_per_second
 
-Prompts of different lengths are left-padded into one batch (`minillm.batching`);
-each row stops on its own (`minillm.stopping`); the KV cache (`minillm.kv_cache`)
-turns each decode step into a one-token forward.
+    for event in generate(model, prompts, tokenizer=tok, stream=True):   # the same run, as it happens
+        print(event.row, event.text, end="")
+
+The loop is a few lines over a `DecodeSession` (`minillm.session`): the session owns the
+batch's rows, the KV cache, positions and masks; this module only chooses tokens
+(`minillm.sampling`) and decides when rows stop (`minillm.stopping`). Every row may
+carry its own settings (pass a list of configs): a server batches requests that way.
 
 The context window. A model only knows `block_size` positions. When a row outgrows
 it, its window (the tokens the model sees) moves forward by `window_slide` tokens
@@ -16,95 +20,21 @@ and the batch is prefilled again from the new windows. The rule is the same with
 and without a cache, so all cache kinds give the same tokens; sliding by more than
 one token at a time means fewer re-prefills for a little less context.
 
-Run as `python -m minillm.infer --prompt "..."` for the command-line interface
-(`minillm.cli`).
+Run as `python -m minillm.infer --prompt "..."` for the command-line interface.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .batching import attention_mask, pad_left
-from .kv_cache import make_cache
-from .sampling import SamplingConfig, TokenHistory, choose_next, process_logits, row_generators
-from .stopping import RowState, eos_ids
-
-
-@dataclass
-class RowOutput:
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids, including the EOS or stop-completing token
-    text: str  # generated text without EOS and without the stop string
-    finish_reason: str  # "eos", "stop" or "length"
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0  # real (unpadded) prompt tokens over all rows
-    prefill_seconds: float = 0.0  # from the call to the first token of every row (time to first token)
-    decode_tokens: int = 0  # tokens produced after each row's first one
-    decode_seconds: float = 0.0
-    forward_passes: int = 0  # model calls, prefills included
-    extra: dict = field(default_factory=dict)  # what later lessons add (speculative: drafted, accepted, ...)
-
-    @property
-    def time_to_first_token(self) -> float:
-        return self.prefill_seconds
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(extra=dict(self.extra), time_to_first_token=self.time_to_first_token,
-                 decode_tokens_per_second=self.decode_tokens_per_second)
-        return d
-
-
-@dataclass
-class GenerationOutput:
-    rows: list[RowOutput]
-    stats: GenerationStats
-
-    @property
-    def texts(self) -> list[str]:
-        return [r.text for r in self.rows]
-
-    @property
-    def token_ids(self) -> list[list[int]]:
-        return [r.token_ids for r in self.rows]
-
-
-def encode_prompts(prompts, tokenizer) -> list[list[int]]:
-    """A string, a list of ids, or a list of either -> one id list per row."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist()
-    rows = []
-    for p in prompts:
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError("text prompts need a tokenizer: pass tokenizer=... or token ids")
-            p = tokenizer.encode(p)
-        rows.append([int(i) for i in p])
-    if not rows:
-        raise ValueError("no prompts given: pass at least one prompt")
-    return rows
-
-
-def check_prompts(rows: list[list[int]], block_size: int, vocab_size: int) -> None:
-    for i, ids in enumerate(rows):
-        if not ids:
-            raise ValueError(f"prompt {i} is empty: give it at least one token")
-        if len(ids) > block_size:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens but the model's context is {block_size}: shorten it")
-        if min(ids) < 0 or max(ids) >= vocab_size:
-            raise ValueError(f"prompt {i} holds a token id outside the vocabulary [0, {vocab_size})")
+from .batching import length_sorted_chunks
+from .generation import (GenerationEvent, GenerationOutput, GenerationStats, RowOutput, check_prompts, drain,
+                         encode_prompts)
+from .sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows
+from .session import DecodeSession
+from .stopping import RowState
 
 
 def sliding_window_start(length: int, start: int, block_size: int, slide: int) -> int:
@@ -115,134 +45,147 @@ def sliding_window_start(length: int, start: int, block_size: int, slide: int) -
     return max(start + slide, length - block_size)
 
 
-class _Batch:
-    """The rows still generating and the tensors that follow them through the loop."""
-
-    def __init__(self, model, rows, sequences, starts, cache):
-        self.model, self.rows, self.cache = model, rows, cache
-        self.sequences, self.starts = sequences, starts
-
-    def prefill(self):
-        """Forward every active row's window; returns next-token logits [B, V]."""
-        windows = [self.sequences[r][self.starts[r]:] for r in self.rows]
-        tokens, self.key_valid, positions = pad_left(windows, device=self.model.device)
-        self.padded = not bool(self.key_valid.all())
-        self.next_positions = positions[:, -1] + 1  # [B]
-        if self.cache is not None:
-            self.cache.crop(0)
-            self.cache.reorder(torch.arange(len(self.rows)))
-        mask = attention_mask(self.key_valid, tokens.shape[1]) if self.padded else None
-        return self.model(tokens, positions, cache=self.cache, mask=mask, last_only=True)[:, -1]
-
-    def step(self, next_tokens: torch.Tensor):
-        """Forward one new token per row [B]; returns next-token logits [B, V]."""
-        ones = torch.ones(len(self.rows), 1, dtype=torch.bool, device=self.key_valid.device)
-        self.key_valid = torch.cat((self.key_valid, ones), dim=1)  # [B, S]
-        mask = attention_mask(self.key_valid, 1) if self.padded else None
-        positions = self.next_positions[:, None]
-        self.next_positions = self.next_positions + 1
-        return self.model(next_tokens[:, None], positions, cache=self.cache, mask=mask)[:, -1]
-
-    def keep(self, keep: list[int]):
-        """Drop finished rows: `keep` indexes the current batch."""
-        index = torch.tensor(keep, device=self.key_valid.device)
-        self.rows = [self.rows[i] for i in keep]
-        self.key_valid, self.next_positions = self.key_valid[index], self.next_positions[index]
-        if self.cache is not None:
-            self.cache.reorder(index)
-        return index
+def row_configs(config, n_rows: int, overrides: dict) -> list[SamplingConfig]:
+    """One validated SamplingConfig per row: a single config (or None) is shared by every row."""
+    configs = list(config) if isinstance(config, (list, tuple)) else [config] * n_rows
+    if len(configs) != n_rows:
+        raise ValueError(f"{len(configs)} configs for {n_rows} prompts: pass one config, or one per prompt")
+    return [(c or SamplingConfig()).with_(**overrides) if overrides else (c or SamplingConfig()) for c in configs]
 
 
-@torch.inference_mode()
-def generate(model, prompts, config: SamplingConfig | None = None, *, tokenizer=None, cache: str = "static",
-             streamer=None, window_slide: int = 1, **config_overrides) -> GenerationOutput:
+class Generation:
+    """One `generate` call: iterate it for events; `output` holds the result once it is done.
+
+    Everything is checked when it is created, so a bad setting fails at the call, before
+    any model work.
+    """
+
+    def __init__(self, model, prompts, config=None, *, tokenizer=None, cache: str = "static",
+                 window_slide: int = 1, **config_overrides):
+        if window_slide < 1:
+            raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
+        self.model, self.tokenizer, self.window_slide = model, tokenizer, window_slide
+        self.prompt_ids = encode_prompts(prompts, tokenizer)
+        check_prompts(self.prompt_ids, model.config.block_size, model.config.vocab_size)
+        self.configs = row_configs(config, len(self.prompt_ids), config_overrides)
+        if any(c.stop for c in self.configs) and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
+        self.states = [RowState.for_config(ids, c, tokenizer) for ids, c in zip(self.prompt_ids, self.configs)]
+        longest = max(len(p) + c.max_new_tokens for p, c in zip(self.prompt_ids, self.configs))
+        self.session = DecodeSession(model, cache, max_len=longest)
+        self.stats = GenerationStats(prompt_tokens=sum(map(len, self.prompt_ids)))
+        self.output: GenerationOutput | None = None
+        self.started = False
+
+    @torch.inference_mode()
+    def __iter__(self):
+        if self.started:
+            raise RuntimeError("a Generation runs once: call generate() again for another run")
+        self.started = True
+        states, session, block = self.states, self.session, self.model.config.block_size
+        t_start = time.perf_counter()
+        for row, state in enumerate(states):
+            if state.finished:  # max_new_tokens == 0
+                yield GenerationEvent(row, [], "", state.finish_reason)
+        active = [r for r, s in enumerate(states) if not s.finished]  # prompt index of each session row
+        sequences = [list(ids) for ids in self.prompt_ids]  # each row's whole text so far, in token ids
+        starts = [0] * len(sequences)  # where each row's context window begins
+        configs = [self.configs[r] for r in active]
+        generators = generators_for(configs, self.model.device)
+        history = TokenHistory.from_prompts([self.prompt_ids[r] for r in active], self.model.config.vocab_size,
+                                            self.model.device) if any(c.uses_penalties for c in configs) else None
+        logits = session.prefill([sequences[r] for r in active]) if active else None  # [B, V]
+        t_first = None
+        while active:
+            self.stats.forward_passes += 1
+            next_tokens = choose_rows(process_rows(logits, configs, history), configs, generators)  # [B]
+            if history is not None:
+                history.add(next_tokens)
+            events = []
+            for r, token in zip(active, next_tokens.tolist()):
+                states[r].push(token)
+                sequences[r].append(token)
+                events.append(GenerationEvent(r, [token], states[r].new_text(), states[r].finish_reason))
+            if t_first is None:
+                t_first = time.perf_counter()
+                self.stats.prefill_seconds = t_first - t_start
+            yield from events
+            keep = [i for i, r in enumerate(active) if not states[r].finished]
+            if len(keep) < len(active):  # finished rows leave the batch
+                if not keep:
+                    break
+                index = torch.tensor(keep, device=self.model.device)
+                session.select(index)
+                next_tokens, configs = next_tokens[index], [configs[i] for i in keep]
+                generators = [generators[i] for i in keep]
+                history = history.select(index) if history is not None else None
+                active = [active[i] for i in keep]
+            slid = False
+            for r in active:
+                new_start = sliding_window_start(len(sequences[r]), starts[r], block, self.window_slide)
+                slid |= new_start != starts[r]
+                starts[r] = new_start
+            if slid:  # a row outgrew the context: every row restarts from its window
+                logits = session.prefill([sequences[r][starts[r]:] for r in active])
+            else:
+                logits = session.extend(next_tokens[:, None])[:, -1]
+        if t_first is not None:
+            self.stats.decode_seconds = time.perf_counter() - t_first
+        self.stats.decode_tokens = sum(max(len(s.token_ids) - 1, 0) for s in states)
+        self.output = GenerationOutput([RowOutput.from_state(s) for s in states], self.stats)
+
+
+def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | None = None, *, tokenizer=None,
+             cache: str = "static", streamer=None, window_slide: int = 1, stream: bool = False,
+             **config_overrides):
     """Generate a continuation for each prompt.
 
-    prompts: a string, a list of token ids, or a list of either (a batch).
-    config: how to choose tokens; keyword arguments override its fields
+    prompts: a string, a list (or 1-D tensor) of token ids, or a list of either (a batch).
+    config: how to choose tokens and when to stop; one for every row, or a list with one
+        per row. Keyword arguments override its fields
         (`generate(..., max_new_tokens=20, do_sample=True, seed=0)`).
     tokenizer: needed for text prompts, text output, stop strings and streaming.
     cache: "static" (default), "dynamic", or "none" (recompute everything each step).
     streamer: an object with `put(row, text)` and `end()` that receives final text as it forms.
     window_slide: how far the context window moves when a row outgrows `block_size`.
+    stream: return the `Generation` to iterate over its events instead of running it.
+
+    Returns a GenerationOutput (or, with stream=True, the Generation).
     """
-    config = (config or SamplingConfig()).with_(**config_overrides) if config_overrides else (config or SamplingConfig())
-    if window_slide < 1:
-        raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
-    block = model.config.block_size
-    prompt_ids = encode_prompts(prompts, tokenizer)
-    check_prompts(prompt_ids, block, model.config.vocab_size)
-    wants_text = tokenizer is not None
-    states = [RowState(ids, config.max_new_tokens, eos_ids(config.eos_token_id, tokenizer), config.stop,
-                       tokenizer if wants_text else None) for ids in prompt_ids]
-    if config.stop and not wants_text:
-        raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
-    stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)))
-    t_start = time.perf_counter()
-
-    active = [i for i, s in enumerate(states) if not s.finished]
-    if not active:
-        return _finish(states, stats, streamer)
-    sequences = [list(ids) for ids in prompt_ids]
-    starts = [0] * len(prompt_ids)
-    max_len = min(block, max(len(prompt_ids[r]) for r in active) + config.max_new_tokens)
-    kv = make_cache(cache, model, len(active), max_len)
-    batch = _Batch(model, active, sequences, starts, kv)
-    uses_penalties = config.repetition_penalty != 1 or config.presence_penalty != 0 or config.frequency_penalty != 0
-    history = TokenHistory.from_prompts([prompt_ids[r] for r in active], model.config.vocab_size,
-                                        model.device) if uses_penalties else None
-    generators = row_generators(config, len(active))
-
-    logits = batch.prefill()  # [B, V]
-    stats.forward_passes += 1
-    first_step = True
-    while True:
-        next_tokens = choose_next(process_logits(logits, config, history), config, generators)  # [B]
-        if history is not None:
-            history.add(next_tokens)
-        for r, token in zip(batch.rows, next_tokens.tolist()):
-            states[r].push(token)
-            sequences[r].append(token)
-            if streamer is not None and (piece := states[r].new_text()):
-                streamer.put(r, piece)
-        now = time.perf_counter()
-        if first_step:
-            stats.prefill_seconds, t_first, first_step = now - t_start, now, False
-        keep = [i for i, r in enumerate(batch.rows) if not states[r].finished]
-        if not keep:
-            break
-        if len(keep) < len(batch.rows):
-            index = batch.keep(keep)
-            next_tokens = next_tokens[index]
-            history = history.select(index) if history is not None else None
-            generators = [generators[i] for i in keep] if generators is not None else None
-
-        slid = False
-        for r in batch.rows:
-            new_start = sliding_window_start(len(sequences[r]), starts[r], block, window_slide)
-            slid |= new_start != starts[r]
-            starts[r] = new_start
-        logits = batch.prefill() if (slid or kv is None) else batch.step(next_tokens)
-        stats.forward_passes += 1
-
-    stats.decode_seconds = time.perf_counter() - t_first
-    stats.decode_tokens = sum(len(s.token_ids) for s in states) - len(active)
-    return _finish(states, stats, streamer)
+    run = Generation(model, prompts, config, tokenizer=tokenizer, cache=cache, window_slide=window_slide,
+                     **config_overrides)
+    if stream:
+        return run
+    return drain(run, streamer)
 
 
-def _finish(states, stats, streamer) -> GenerationOutput:
+def generate_in_batches(model, prompts, batch_size: int, config=None, *, tokenizer=None, streamer=None,
+                        **generate_kwargs) -> GenerationOutput:
+    """`generate()` over many prompts, at most `batch_size` at a time.
+
+    Prompts are grouped by length (`minillm.batching.length_sorted_chunks`); rows come
+    back in input order and the statistics are summed over the chunks. Each row's tokens
+    are the ones `generate()` gives it alone, so the split changes speed, never output.
+    """
+    rows = encode_prompts(prompts, tokenizer)
+    check_prompts(rows, model.config.block_size, model.config.vocab_size)  # name the bad row by its input index
+    configs = row_configs(config, len(rows), {})
+    outputs, stats = [None] * len(rows), GenerationStats()
+    for index in length_sorted_chunks([len(r) for r in rows], batch_size):
+        run = generate(model, [rows[i] for i in index], [configs[i] for i in index], tokenizer=tokenizer,
+                       stream=True, **generate_kwargs)
+        for event in run:
+            if streamer is not None and event.text:
+                streamer.put(index[event.row], event.text)
+        for i, row in zip(index, run.output.rows):
+            outputs[i] = row
+        stats.add(run.output.stats)
     if streamer is not None:
-        for r, s in enumerate(states):
-            if piece := s.new_text():
-                streamer.put(r, piece)
         streamer.end()
-    rows = [RowOutput(s.prompt_ids, s.token_ids, s.text, s.finish_reason) for s in states]
-    return GenerationOutput(rows, stats)
+    return GenerationOutput(outputs, stats)
 
 
-if __name__ == "__main__":
-    import sys
+if __name__ == "__main__":  # `python -m minillm.infer` is the CLI of `python -m minillm` (minillm/__main__.py)
+    import runpy
 
-    from .cli import main
-
-    sys.exit(main())
+    runpy.run_module("minillm", run_name="__main__")

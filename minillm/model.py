@@ -11,9 +11,15 @@ The one forward every lesson uses:
     logits = model(tokens, positions, cache=None, mask=None)
     # tokens, positions: LongTensor [B, T]  ->  logits: float32 [B, T, vocab]
 
-The caller owns positions and the mask (so left-padded batches, speculative
-verification and sliding windows all use the same call); the cache owns the keys
-and values stored so far (see `minillm.kv_cache`).
+The caller owns positions and the mask (so batches of rows with different
+lengths, speculative and tree verification and sliding windows all use the same
+call; `minillm.session` is the caller every strategy shares); the cache owns the
+keys and values stored so far (`minillm.kv_cache`); the attention kernel is a
+swappable backend (`minillm.attention`, SDPA by default).
+
+Everything here is plain PyTorch: `nn.Linear`, `nn.Embedding`, SDPA. Hardware
+fast paths are module swaps applied after loading (`minillm.onednn`), each with an
+off switch and each checked equal to this plain model.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .attention import AttentionStep, SDPABackend
 
 
 @dataclass(frozen=True)
@@ -150,68 +158,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + swapped * signed_sin
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose float32 CPU matmul runs oneDNN on a weight packed once, ahead of time.
-
-    PyTorch's CPU `F.linear` calls MKL's sgemm, which on this course's AMD CPU takes a
-    path that is slow at the shapes inference needs: a decode step multiplies 1-32
-    activation rows by each weight, and MKL streams such a product at ~16 GB/s of a
-    ~45 GB/s read bandwidth, and reaches less than half the machine's FLOP rate once
-    there are 8-16 rows (a batch, or a speculative verify). oneDNN (PyTorch's other CPU
-    math library) is 1.5-3x faster at every one of those shapes, prefill included, but
-    only on a weight it has first reordered ("packed") into the blocked layout its
-    kernels read. Packing costs about one pass over the weight, so it is done on the
-    first forward and kept (twice the weight memory) until the weight changes.
-
-    The products are the same dot products summed in another order: results differ from
-    F.linear by float32 rounding, as any two BLAS libraries do. Everything else (GPUs,
-    bf16/fp16, training, a PyTorch without oneDNN) takes plain F.linear.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_weight() if self._onednn_applies(x) else None
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-
-    def _onednn_applies(self, x: torch.Tensor) -> bool:
-        w = self.weight
-        return (x.device.type == "cpu" and w.dtype == x.dtype == torch.float32
-                and not (torch.is_grad_enabled() and w.requires_grad)  # the oneDNN op has no backward
-                and torch.backends.mkldnn.is_available())
-
-    def _packed_weight(self):
-        """oneDNN's copy of the weight, repacked whenever the weight is replaced or edited."""
-        w = self.weight
-        key = (w.data_ptr(), w.shape, None if w.is_inference() else w._version)
-        if getattr(self, "_packed_key", None) != key:
-            # batch_size is the row count the layout is tuned for: small, as in decoding.
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
-            self._packed_key = key
-        return self._packed
-
-    def _apply(self, fn, recurse=True):
-        """`.to()`, `.float()`, `.cuda()` replace the weight: drop the packed copy with it."""
-        for name in ("_packed", "_packed_key"):
-            self.__dict__.pop(name, None)
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self):
-        """Copies and pickles leave the packed copy behind (oneDNN tensors cannot be copied)."""
-        return {k: v for k, v in super().__getstate__().items() if k not in ("_packed", "_packed_key")}
-
-
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads; q, k and v come from one fused matmul."""
+    """Grouped-query self-attention; q, k and v come from one fused matmul.
+
+    The score/softmax/value product itself is delegated to `self.backend`
+    (`minillm.attention`): SDPA by default, swappable without touching this class.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_size
         qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
-        self.qkv = Linear(config.d_model, qkv_out, bias=config.qkv_bias)
-        self.proj = Linear(self.n_head * self.head_dim, config.d_model, bias=config.bias)
+        self.qkv = nn.Linear(config.d_model, qkv_out, bias=config.qkv_bias)
+        self.proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=config.bias)
+        self.backend = SDPABackend()
 
-    def forward(self, x, rope, layer, cache, mask):
+    def forward(self, x, rope, layer, cache, step: AttentionStep):
         B, T, _ = x.shape
         H, KV, hd = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x).view(B, T, H + 2 * KV, hd)
@@ -223,22 +185,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)  # [B, heads, T, hd]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, KV, S, hd]: everything stored so far
-        S = k.shape[2]
-        if mask is None and T > 1 and S > T:
-            # Queries are the last T of S keys (a chunk after a cached prefix): causal with an offset.
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-        if mask is not None and mask.dim() == 3:
-            mask = mask[:, None]  # [B, 1, T, S]: the same mask for every head
-        group = H // KV
-        if T == 1 and group > 1:
-            # Decoding: the `group` query heads that share a KV head become `group` queries
-            # of that head. SDPA's own GQA path (enable_gqa) is ~10x slower on CPU.
-            y = F.scaled_dot_product_attention(q.reshape(B, KV, group, hd), k, v, attn_mask=mask)
-        else:
-            if group > 1:
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, hd]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
-        return self.proj(y.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd))  # [B, T, d_model]
+        y = self.backend(q, k, v, step)  # [B, H, T, hd]
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, d_model]
 
 
 class MLP(nn.Module):
@@ -248,8 +196,8 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.mlp == "swiglu"
         hidden = config.ff_size
-        self.fc = Linear(config.d_model, 2 * hidden if self.swiglu else hidden, bias=config.bias)
-        self.proj = Linear(hidden, config.d_model, bias=config.bias)
+        self.fc = nn.Linear(config.d_model, 2 * hidden if self.swiglu else hidden, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
 
     def forward(self, x):
         h = self.fc(x)
@@ -269,8 +217,8 @@ class Block(nn.Module):
         self.norm1, self.attn = make_norm(config), Attention(config)
         self.norm2, self.mlp = make_norm(config), MLP(config)
 
-    def forward(self, x, rope, layer, cache, mask):
-        x = x + self.attn(self.norm1(x), rope, layer, cache, mask)
+    def forward(self, x, rope, layer, cache, step):
+        x = x + self.attn(self.norm1(x), rope, layer, cache, step)
         return x + self.mlp(self.norm2(x))
 
 
@@ -283,7 +231,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = make_norm(config)
         self.rope = RopeTable(config) if config.positions == "rope" else None
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
@@ -295,12 +243,13 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_emb.weight.dtype
 
-    def forward(self, tokens, positions, cache=None, mask=None, last_only: bool = False):
+    def forward(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
         """tokens, positions [B, T]; mask: bool [B, T, S] (True = may attend) or None for causal.
 
-        With `last_only` the LM head runs on the final position alone: prefill then
-        costs one row of logits instead of T (a 49152-wide matmul per prompt token).
-        Logits are returned in float32 whatever the model's dtype.
+        The LM head is a 49152-wide matmul per position, so prefill asks for fewer rows:
+        `last_only` computes logits at the final position alone ([B, 1, V]), and
+        `logits_at` (long [B]) at one chosen position per row ([B, 1, V]; rows of
+        different lengths padded on the right). Logits are float32 whatever the model's dtype.
         """
         x = self.tok_emb(tokens)  # [B, T, d_model]
         rope = None
@@ -308,10 +257,13 @@ class Transformer(nn.Module):
             x = x + self.pos_emb(positions)
         else:
             rope = self.rope(positions, x.dtype)
+        step = AttentionStep(positions, mask)
         for layer, block in enumerate(self.blocks):
-            x = block(x, rope, layer, cache, mask)
+            x = block(x, rope, layer, cache, step)
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(len(x), device=x.device), logits_at][:, None]  # [B, 1, d_model]
         return self.lm_head(self.norm_f(x)).float()  # [B, T, vocab]
 
     def num_weight_bytes(self) -> int:

@@ -13,33 +13,22 @@ computed in float32 whatever the model's dtype.
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
-
-class SamplingError(ValueError):
-    """An impossible sampling setting; the message names the field, value and allowed range.
-
-    `field` holds the offending field's name, so a front end (the CLI) can name its own flag.
-    """
-
-    def __init__(self, field: str, value, allowed: str):
-        super().__init__(f"{field}={value!r} is invalid: must be {allowed}")
-        self.field, self.value, self.allowed = field, value, allowed
+from .settings import GenerationConfig, SamplingError, check, is_int, is_real
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    """How to pick tokens. Field names follow transformers' GenerationConfig.
+class SamplingConfig(GenerationConfig):
+    """A request's settings: when to stop (inherited) and how to pick tokens.
 
     Unlike transformers, nothing is implied: `do_sample=True` with `top_k=0` is plain
     multinomial sampling (transformers would silently apply top_k=50).
     `temperature=0` means greedy decoding.
     """
 
-    max_new_tokens: int = 128
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0  # 0 disables
@@ -48,63 +37,41 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # 1.0 disables; > 1 discourages any token already in the sequence
     presence_penalty: float = 0.0  # OpenAI semantics: subtracted once from every generated token's logit
     frequency_penalty: float = 0.0  # OpenAI semantics: subtracted per occurrence among generated tokens
-    eos_token_id: int | tuple[int, ...] | None = None  # None: the tokenizer's; (): ignore EOS
-    stop: tuple[str, ...] = ()
     seed: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, (list, tuple)):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens,
-               "an integer >= 0")
-        _check(isinstance(self.do_sample, bool), "do_sample", self.do_sample, "True or False")
-        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
-               "a finite number >= 0 (0 means greedy)")
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 disables top-k)")
-        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1 disables top-p)")
-        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1] (0 disables min-p)")
-        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               self.repetition_penalty, "a finite number > 0 (1 disables it, > 1 discourages repeats)")
+        super().__post_init__()
+        check(isinstance(self.do_sample, bool), "do_sample", self.do_sample, "True or False")
+        check(is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+              "a finite number >= 0 (0 means greedy)")
+        check(is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 disables top-k)")
+        check(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1 disables top-p)")
+        check(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1] (0 disables min-p)")
+        check(is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              self.repetition_penalty, "a finite number > 0 (1 disables it, > 1 discourages repeats)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_real(value) and -2 <= value <= 2, name, value, "in [-2, 2] as in OpenAI's API (0 disables it)")
-        eos = self.eos_token_id
-        _check(eos is None or (_is_int(eos) and eos >= 0)
-               or (isinstance(eos, tuple) and all(_is_int(i) and i >= 0 for i in eos)),
-               "eos_token_id", eos, "None (the tokenizer's), a token id >= 0, or a list of them (empty: never stop on EOS)")
-        _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "a string or a list of non-empty strings")
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", self.seed,
-               "None or an integer in [0, 2**63)")
+            check(is_real(value) and -2 <= value <= 2, name, value, "in [-2, 2] as in OpenAI's API (0 disables it)")
+        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), "seed", self.seed,
+              "None or an integer in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
         """Argmax decoding: sampling is off, or temperature 0 asks for the limit T -> 0 (the argmax)."""
         return not self.do_sample or self.temperature == 0
 
-    def with_(self, **changes) -> "SamplingConfig":
-        """A copy with some fields changed, validated again."""
-        return replace(self, **changes)
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check(ok: bool, name: str, value, allowed: str) -> None:
-    if not ok:
-        raise SamplingError(name, value, allowed)
+    def processing_key(self) -> tuple:
+        """The fields the processors read: rows with equal keys are processed as one batch."""
+        return tuple(getattr(self, name) for name in PROCESSING_FIELDS)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingConfig))
+PROCESSING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty")
 
 
 # ------------------------------------------------------------------ token history
@@ -160,7 +127,16 @@ def apply_presence_frequency_penalty(logits, generated_counts, presence: float, 
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logits if temperature == 1.0 else logits / temperature
+    """logits / T. A tiny T overflows float32 to inf (and softmax to NaN), or underflows
+    to 0 itself; then the row's best logit is subtracted first (which changes no
+    probability) and the division is done in float64: the best tokens get 0, the rest -inf.
+    """
+    if temperature == 1.0:
+        return logits
+    scaled = logits / temperature
+    if temperature < 1.0 and not bool(scaled[logits.isfinite()].isfinite().all()):
+        scaled = ((logits - logits.amax(dim=-1, keepdim=True)).double() / temperature).to(logits.dtype)
+    return scaled
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -214,16 +190,27 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig, history: TokenH
 
 
 def row_generators(config: SamplingConfig, n_rows: int, device=None) -> list[torch.Generator] | None:
-    """One generator per row, each seeded with `config.seed`.
-
-    A row's random stream therefore depends only on the seed, never on its
-    neighbours or its index: the same prompt and seed give the same text alone or
-    in any batch. (Identical prompts in one batch give identical samples.)
-    """
+    """One generator per row, each seeded with `config.seed` (None when decoding greedily)."""
     if config.greedy:
         return None
-    seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
-    return [torch.Generator(device=device or "cpu").manual_seed(seed) for _ in range(n_rows)]
+    return generators_for([config] * n_rows, device)
+
+
+def generators_for(configs: list[SamplingConfig], device=None) -> list[torch.Generator | None]:
+    """One random stream per row, seeded by that row's own seed (None for greedy rows).
+
+    A row's random stream therefore depends only on its own settings, never on its
+    neighbours or its index: the same prompt and seed give the same text alone or in
+    any batch. (Identical prompts with one seed in one batch give identical samples.)
+    """
+    generators = []
+    for config in configs:
+        if config.greedy:
+            generators.append(None)
+            continue
+        seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        generators.append(torch.Generator(device=device or "cpu").manual_seed(seed))
+    return generators
 
 
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
@@ -241,14 +228,60 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) ->
 
 
 def choose_next(processed_logits: torch.Tensor, config: SamplingConfig, generators) -> torch.Tensor:
-    """Processed logits [B, V] -> next tokens [B]: argmax (first index on ties) or a draw."""
+    """Processed logits [B, V] -> next tokens [B]: argmax (first index on ties) or a draw.
+
+    A row of NaN logits (a numerical failure upstream) is refused, never turned into a token.
+    """
+    if bool(processed_logits.isnan().any()):
+        raise FloatingPointError("the model produced NaN logits; try float32 (--dtype float32) or check the weights")
     if config.greedy:
         return processed_logits.argmax(dim=-1)
     return sample_from_probs(processed_logits.softmax(dim=-1), generators)
 
 
+# ------------------------------------------------------------------ rows with their own settings
+
+
+def groups_of_equal_settings(configs: list[SamplingConfig]) -> list[list[int]]:
+    """Row indices grouped by identical processing settings, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for row, config in enumerate(configs):
+        groups.setdefault(config.processing_key(), []).append(row)
+    return list(groups.values())
+
+
+def process_rows(logits: torch.Tensor, configs: list[SamplingConfig], history: TokenHistory | None) -> torch.Tensor:
+    """`process_logits` where row b follows configs[b]: logits [B, V] -> float32 [B, V].
+
+    Rows that share settings are processed together; every processor works row by row,
+    so a row's result is the one it gets alone.
+    """
+    groups = groups_of_equal_settings(configs)
+    if len(groups) == 1:
+        return process_logits(logits, configs[0], history)
+    processed = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in groups:
+        index = torch.tensor(rows, device=logits.device)
+        processed[index] = process_logits(logits[index], configs[rows[0]],
+                                          history.select(index) if history is not None else None)
+    return processed
+
+
+def choose_rows(processed_logits: torch.Tensor, configs: list[SamplingConfig], generators) -> torch.Tensor:
+    """`choose_next` where row b follows configs[b] and draws from generators[b]: [B, V] -> [B]."""
+    groups = groups_of_equal_settings(configs)
+    if len(groups) == 1:
+        return choose_next(processed_logits, configs[0], generators)
+    tokens = torch.empty(len(configs), dtype=torch.long, device=processed_logits.device)
+    for rows in groups:
+        index = torch.tensor(rows, device=processed_logits.device)
+        tokens[index] = choose_next(processed_logits[index], configs[rows[0]], [generators[r] for r in rows])
+    return tokens
+
+
 __all__ = [
     "SamplingConfig", "SamplingError", "TokenHistory", "process_logits", "choose_next", "row_generators",
-    "sample_from_probs", "apply_repetition_penalty", "apply_presence_frequency_penalty", "apply_temperature",
+    "sample_from_probs", "generators_for", "process_rows", "choose_rows", "groups_of_equal_settings",
+    "apply_repetition_penalty", "apply_presence_frequency_penalty", "apply_temperature",
     "apply_top_k", "apply_top_p", "apply_min_p", "SAMPLING_FIELDS",
 ]

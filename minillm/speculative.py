@@ -47,10 +47,12 @@ from typing import Protocol
 
 import torch
 
-from .infer import GenerationOutput, GenerationStats, _finish, check_prompts, encode_prompts
-from .kv_cache import make_cache
+from .generation import (GenerationEvent, GenerationOutput, GenerationStats, RowOutput, check_prompts, drain,
+                         encode_prompts)
+from .loading import load_model, resolve_dtype
 from .sampling import SamplingConfig, TokenHistory, choose_next, process_logits, row_generators, sample_from_probs
-from .stopping import RowState, eos_ids
+from .session import DecodeSession
+from .stopping import RowState
 
 DRAFTERS = ("model", "prompt-lookup")
 
@@ -157,30 +159,36 @@ class PromptLookup:
 
 
 class DraftModel:
-    """A smaller model with the target's tokenizer drafts autoregressively, with its own KV cache.
+    """A smaller model with the target's tokenizer drafts autoregressively, in its own decode session.
 
-    Its cache always holds a prefix of the sequence (plus, while drafting, its own guesses):
-    `rollback` crops off what the target rejected and `propose` first feeds the tokens it
-    has not seen (the prompt on the first call, then the one or two tokens the target added).
+    Its session always holds a prefix of the sequence (plus, while drafting, its own
+    guesses): `rollback` forgets what the target rejected and `propose` first feeds the
+    tokens it has not seen (the prompt on the first call, then the one or two tokens the
+    target added).
     """
 
     def __init__(self, model, tokenizer=None, cache: str = "static"):
         self.model, self.tokenizer, self.cache_kind = model, tokenizer, cache
-        self.cache, self.cached = None, []  # cached: the token ids whose keys/values the cache holds
+        self.session = None
+
+    @property
+    def cached(self) -> list[int]:
+        """The token ids the draft's session holds."""
+        return self.session.rows[0] if self.session is not None and self.session.rows else []
+
+    @property
+    def cache(self):
+        return self.session.cache
 
     def begin(self, target, tokenizer, max_len):
         check_same_vocabulary(self.model, self.tokenizer, target, tokenizer)
-        self.cache = make_cache(self.cache_kind, self.model, 1, max_len)
-        self.cached = []
+        self.session = DecodeSession(self.model, self.cache_kind, max_len)
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens after the cached ones; next-token logits [1, V]."""
-        start = len(self.cached)
-        device = self.model.device
-        ids = torch.tensor([tokens], device=device)  # [1, T]
-        positions = torch.arange(start, start + len(tokens), device=device)[None]
-        self.cached = self.cached + tokens
-        return self.model(ids, positions, cache=self.cache, last_only=True)[:, -1]
+        """Feed tokens after the held ones; next-token logits [1, V]."""
+        if not self.session.rows:
+            return self.session.prefill([tokens])
+        return self.session.extend([tokens])[:, -1]
 
     def propose(self, sequence, n, config, history, generator):
         self.rollback(sequence)
@@ -206,8 +214,7 @@ class DraftModel:
             keep += 1
         keep = min(keep, len(sequence) - 1)  # always leave the newest token to feed
         if keep < len(self.cached):
-            self.cache.crop(keep)
-            self.cached = self.cached[:keep]
+            self.session.rollback([keep])
 
 
 def check_same_vocabulary(draft, draft_tokenizer, target, target_tokenizer) -> None:
@@ -248,8 +255,6 @@ def load_draft(spec: str, target, dtype="float32", device="cpu"):
     """`--draft-model` values: 'layers:N' (the target's first N blocks), 'dtype:bfloat16'
     (the target's weights in another precision), or any name/path `load_model` takes.
     Returns (draft model, its tokenizer or None when it is the target's)."""
-    from .loading import load_model, resolve_dtype
-
     if spec.startswith("layers:"):
         try:
             n_layer = int(spec.split(":", 1)[1])
@@ -293,14 +298,14 @@ class Round:
 class SpeculativeDecoder:
     """One prompt, one target, one drafter. `prefill()` emits the first token; each
     `round()` drafts, verifies with one target forward, emits 1..k+1 tokens and rolls
-    both caches back to exactly the tokens kept.
+    both sessions back to exactly the tokens kept.
 
-    Invariant between rounds: the target's cache holds every token of `sequence` but the
-    last one (whose logits are what the next verify forward starts from).
+    Invariant between rounds: the target's session holds every token of `sequence` but
+    the last one (whose logits are what the next verify forward starts from).
     """
 
     def __init__(self, model, drafter: Drafter, prompt_ids: list[int], config: SamplingConfig, *,
-                 num_draft_tokens: int = 4, tokenizer=None, cache: str = "static", streamer=None):
+                 num_draft_tokens: int = 4, tokenizer=None, cache: str = "static"):
         check_num_draft_tokens(num_draft_tokens)
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: speculative decoding rolls back a KV cache; use 'static' or 'dynamic'")
@@ -311,12 +316,11 @@ class SpeculativeDecoder:
                              f"shorten the prompt or lower max_new_tokens")
         if config.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
-        self.model, self.drafter, self.config, self.k, self.streamer = model, drafter, config, num_draft_tokens, streamer
-        self.state = RowState(list(prompt_ids), config.max_new_tokens, eos_ids(config.eos_token_id, tokenizer),
-                              config.stop, tokenizer)
+        self.model, self.drafter, self.config, self.k = model, drafter, config, num_draft_tokens
+        self.state = RowState.for_config(prompt_ids, config, tokenizer)
         self.sequence = list(prompt_ids)
         max_len = len(prompt_ids) + config.max_new_tokens
-        self.cache = make_cache(cache, model, 1, max_len)
+        self.session = DecodeSession(model, cache, max_len)
         drafter.begin(model, tokenizer, max_len)
         self.history = TokenHistory.from_prompts([self.sequence], model.config.vocab_size, model.device)
         self.generators = row_generators(config, 1)
@@ -330,20 +334,19 @@ class SpeculativeDecoder:
     def finished(self) -> bool:
         return self.state.finished
 
+    @property
+    def cache(self):
+        return self.session.cache
+
     def _emit(self, token: int) -> None:
         self.state.push(token)
         self.sequence.append(token)
         self.history.add(torch.tensor([token], device=self.history.seen.device))
-        if self.streamer is not None and (piece := self.state.new_text()):
-            self.streamer.put(0, piece)
 
     @torch.inference_mode()
     def prefill(self) -> int:
         """Forward the prompt, emit the first token exactly as plain decoding does."""
-        device = self.model.device
-        tokens = torch.tensor([self.sequence], device=device)  # [1, T]
-        positions = torch.arange(len(self.sequence), device=device)[None]
-        logits = self.model(tokens, positions, cache=self.cache, last_only=True)[:, -1]  # [1, V]
+        logits = self.session.prefill([self.sequence])  # [1, V]
         token = int(choose_next(process_logits(logits, self.config, self.history), self.config, self.generators))
         self._emit(token)
         return token
@@ -356,11 +359,7 @@ class SpeculativeDecoder:
         draft = (self.drafter.propose(self.sequence, n, self.config, self.history, self.draft_generator)
                  if n > 0 else Draft([]))
         drafted = draft.tokens[:n]
-        start = len(self.sequence) - 1  # the last token's position: the cache holds everything before it
-        device = self.model.device
-        tokens = torch.tensor([[self.sequence[-1], *drafted]], device=device)  # [1, n + 1]
-        positions = torch.arange(start, start + len(drafted) + 1, device=device)[None]
-        logits = self.model(tokens, positions, cache=self.cache)[0]  # [n + 1, V]: p after each verified token
+        logits = self.session.extend([[self.sequence[-1], *drafted]])[0]  # [n + 1, V]: p after each verified token
         self.verify_forwards += 1
         self.drafted += len(drafted)
 
@@ -378,7 +377,7 @@ class SpeculativeDecoder:
             if self.finished or not ok:
                 break
         self.accepted += accepted
-        self.cache.crop(len(self.sequence) - 1)  # drop the rejected drafts' keys and values
+        self.session.rollback([len(self.sequence) - 1])  # drop the rejected drafts' keys and values
         self.drafter.rollback(self.sequence)
         return Round(drafted, accepted, emitted)
 
@@ -386,47 +385,65 @@ class SpeculativeDecoder:
         emitted_in_rounds = len(self.state.token_ids) - 1
         return {
             "num_draft_tokens": self.k, "drafted": self.drafted, "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "verify_forwards": self.verify_forwards,
-            "tokens_per_target_forward": emitted_in_rounds / self.verify_forwards if self.verify_forwards else float("nan"),
+            "tokens_per_target_forward": emitted_in_rounds / self.verify_forwards if self.verify_forwards else None,
         }
 
 
-@torch.inference_mode()
+class SpeculativeGeneration:
+    """One speculative run as a stream of events (one per round); `output` once it is done."""
+
+    def __init__(self, model, prompt, drafter: Drafter, config=None, *, num_draft_tokens: int = 4,
+                 tokenizer=None, cache: str = "static", **config_overrides):
+        config = (config or SamplingConfig()).with_(**config_overrides)
+        rows = encode_prompts(prompt, tokenizer)
+        if len(rows) != 1:
+            raise ValueError(f"speculative decoding takes one prompt at a time (got {len(rows)}): call it per prompt")
+        check_prompts(rows, model.config.block_size, model.config.vocab_size)
+        self.decoder = SpeculativeDecoder(model, drafter, rows[0], config, num_draft_tokens=num_draft_tokens,
+                                          tokenizer=tokenizer, cache=cache)
+        self.stats = GenerationStats(prompt_tokens=len(rows[0]))
+        self.output: GenerationOutput | None = None
+
+    def __iter__(self):
+        decoder, state, stats = self.decoder, self.decoder.state, self.stats
+        if not decoder.finished:  # max_new_tokens == 0 finishes before the first token
+            t_start = time.perf_counter()
+            token = decoder.prefill()
+            t_first = time.perf_counter()
+            stats.prefill_seconds = t_first - t_start
+            yield GenerationEvent(0, [token], state.new_text(), state.finish_reason)
+            while not decoder.finished:
+                emitted = decoder.round().emitted
+                yield GenerationEvent(0, emitted, state.new_text(), state.finish_reason)
+            stats.decode_seconds = time.perf_counter() - t_first
+            stats.decode_tokens = len(state.token_ids) - 1
+            stats.forward_passes = 1 + decoder.verify_forwards
+            stats.extra.update(decoder.stats_extra())
+        else:
+            yield GenerationEvent(0, [], "", state.finish_reason)
+        self.output = GenerationOutput([RowOutput.from_state(state)], stats)
+
+
 def speculative_generate(model, prompt, drafter: Drafter, config: SamplingConfig | None = None, *,
                          num_draft_tokens: int = 4, tokenizer=None, cache: str = "static", streamer=None,
-                         **config_overrides) -> GenerationOutput:
+                         stream: bool = False, **config_overrides):
     """`minillm.infer.generate` for one prompt, sped up by a drafter; same outputs, same stats,
     plus stats.extra: drafted, accepted, acceptance_rate, tokens_per_target_forward.
 
         out = speculative_generate(model, "Repeat: ...", PromptLookup(), tokenizer=tok, num_draft_tokens=8)
+
+    With stream=True returns the SpeculativeGeneration to iterate over (one event per round).
     """
-    config = (config or SamplingConfig()).with_(**config_overrides)
-    rows = encode_prompts(prompt, tokenizer)
-    if len(rows) != 1:
-        raise ValueError(f"speculative decoding takes one prompt at a time (got {len(rows)}): call it per prompt")
-    check_prompts(rows, model.config.block_size, model.config.vocab_size)
-    decoder = SpeculativeDecoder(model, drafter, rows[0], config, num_draft_tokens=num_draft_tokens,
-                                 tokenizer=tokenizer, cache=cache, streamer=streamer)
-    stats = GenerationStats(prompt_tokens=len(rows[0]))
-    if decoder.finished:  # max_new_tokens == 0
-        return _finish([decoder.state], stats, streamer)
-    t_start = time.perf_counter()
-    decoder.prefill()
-    t_first = time.perf_counter()
-    stats.prefill_seconds = t_first - t_start
-    while not decoder.finished:
-        decoder.round()
-    stats.decode_seconds = time.perf_counter() - t_first
-    stats.decode_tokens = len(decoder.state.token_ids) - 1
-    stats.forward_passes = 1 + decoder.verify_forwards
-    stats.extra.update(decoder.stats_extra())
-    return _finish([decoder.state], stats, streamer)
+    run = SpeculativeGeneration(model, prompt, drafter, config, num_draft_tokens=num_draft_tokens,
+                                tokenizer=tokenizer, cache=cache, **config_overrides)
+    return run if stream else drain(run, streamer)
 
 
 __all__ = [
-    "speculative_generate", "SpeculativeDecoder", "Round", "Draft", "Drafter", "PromptLookup", "DraftModel",
-    "truncated_draft", "load_draft", "make_drafter", "check_same_vocabulary", "check_num_draft_tokens",
-    "acceptance_probability", "residual_distribution", "verify_token", "expected_tokens_per_round",
-    "predicted_speedup", "DRAFTERS",
+    "speculative_generate", "SpeculativeGeneration", "SpeculativeDecoder", "Round", "Draft", "Drafter",
+    "PromptLookup", "DraftModel", "truncated_draft", "load_draft", "make_drafter", "check_same_vocabulary",
+    "check_num_draft_tokens", "acceptance_probability", "residual_distribution", "verify_token",
+    "expected_tokens_per_round", "predicted_speedup", "DRAFTERS",
 ]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .streaming import IncrementalDecoder
+from .detokenize import IncrementalDecoder
+from .settings import GenerationConfig
 
 
 @dataclass
@@ -38,6 +39,12 @@ class RowState:
         if self.max_new_tokens == 0:
             self.finish_reason = "length"
 
+    @classmethod
+    def for_config(cls, prompt_ids: list[int], config: GenerationConfig, tokenizer=None) -> "RowState":
+        """A row stopping as `config` says; EOS defaults to the tokenizer's."""
+        return cls(list(prompt_ids), config.max_new_tokens, eos_ids(config.eos_token_id, tokenizer), config.stop,
+                   tokenizer)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -52,16 +59,20 @@ class RowState:
             self._finish("eos")
             return
         if self._decoder is not None:
+            searched = len(self._stable)
             self._stable += self._decoder.push([token])
-            if self.stop and self._cut_at_stop():
+            if self.stop and self._cut_at_stop(searched):
                 return
         if len(self.token_ids) >= self.max_new_tokens:
             self._finish("length")
 
-    def _cut_at_stop(self) -> bool:
-        # Only the end can contain a new match: search the last (longest stop + a few) characters.
-        window = max(map(len, self.stop)) + 8
-        start = max(0, len(self._stable) - window)
+    def _cut_at_stop(self, searched: int) -> bool:
+        """Cut the text at the first stop string; `searched` characters were already free of one.
+
+        A new match ends in the text this token added, however long that is, but may
+        begin up to (longest stop - 1) characters before it.
+        """
+        start = max(0, searched - (max(map(len, self.stop)) - 1))
         hits = [i for i in (self._stable.find(s, start) for s in self.stop) if i >= 0]
         if not hits:
             return False

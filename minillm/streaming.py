@@ -1,14 +1,15 @@
 """Streaming: showing text while it is generated, without ever taking a character back.
 
-Two layers. `IncrementalDecoder` turns a growing list of token ids into text pieces
-that are final. The streamers receive those pieces from `generate(..., streamer=...)`
-(which calls `put(row, text)` for every new piece and `end()` once) and hand them on:
+Generation is a stream of events (`generate(..., stream=True)`); each event carries the
+text that just became final (`minillm.detokenize.IncrementalDecoder` and
+`minillm.stopping.RowState` decide what is final). The streamers here are thin
+adapters over that stream:
 
     PrintStreamer()                   prints as it arrives (the CLI uses it)
     CallbackStreamer(fn)              calls fn(text) for each piece
     for piece in stream(model, prompt, tokenizer=tok): ...
-                                      generation runs in a background thread, the
-                                      caller's loop receives the pieces
+                                      a plain loop over the pieces, no thread
+    IteratorStreamer()                the same loop when generation runs in another thread
 
 Why pieces are held back. Byte-level BPE tokens are bytes, not characters: "é" may be
 split over two tokens and an emoji over four. Decoding each token on its own prints
@@ -21,55 +22,9 @@ from __future__ import annotations
 
 import queue
 import sys
-import threading
 from typing import Callable, Protocol
 
-REPLACEMENT = "\ufffd"
-
-
-class IncrementalDecoder:
-    """Feed token ids, get back the newly completed text.
-
-    The concatenation of every piece returned by `push` and the final `flush` equals
-    `tokenizer.decode(all_ids)` exactly, and a piece holds U+FFFD only where the full
-    decode does (an invalid byte sequence, never a character that is still arriving).
-
-    Each call decodes a window of recent ids, not the whole sequence, so the cost per
-    token stays flat. The window restarts at the last id once the text ends cleanly,
-    and only when that id decodes cleanly on its own: the id stays in the window as
-    context, because some decoders treat the first token of a sequence specially
-    (SentencePiece drops its leading space; byte-fallback decodes a run of byte tokens
-    as a whole), and the characters it produced are counted as already emitted.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.window_start = 0  # ids before this are never decoded again
-        self.emitted = 0  # characters of decode(ids[window_start:]) already returned
-
-    def push(self, new_ids) -> str:
-        self.ids.extend(int(i) for i in new_ids)
-        text = self.tokenizer.decode(self.ids[self.window_start:])
-        stable = text.rstrip(REPLACEMENT)  # a character still arriving decodes to U+FFFD: hold it back
-        piece = stable[self.emitted:]
-        if len(stable) < len(text):
-            self.emitted = max(self.emitted, len(stable))
-            return piece
-        last = self.tokenizer.decode(self.ids[-1:])
-        if REPLACEMENT in last:  # the last id is part of a character or a byte run: not a safe restart
-            self.emitted = len(text)
-        else:
-            self.window_start, self.emitted = len(self.ids) - 1, len(last)
-        return piece
-
-    def flush(self) -> str:
-        """Whatever is still held back (an incomplete character stays U+FFFD, as decode() shows it).
-        Call it once, when the sequence is complete."""
-        text = self.tokenizer.decode(self.ids[self.window_start:])
-        piece = text[self.emitted:]
-        self.emitted = len(text)
-        return piece
+from .detokenize import REPLACEMENT, IncrementalDecoder
 
 
 # ---------------------------------------------------------------- streamers
@@ -130,16 +85,14 @@ class IteratorStreamer:
         for piece in streamer:
             print(piece, end="")
 
-    `stream()` does the thread for you and also re-raises the thread's exceptions in
-    the loop. `timeout` bounds the wait for each piece (TimeoutError); leaving the loop
-    early makes the generating thread stop at its next piece.
+    Only needed when generation must run in another thread: `stream()` gives the same
+    loop in one thread. `timeout` bounds the wait for each piece (TimeoutError); leaving
+    the loop early makes the generating thread stop at its next piece.
     """
 
     def __init__(self, timeout: float | None = None, *, with_row: bool = False):
         self.timeout, self.with_row = timeout, with_row
-        self.result = None  # the GenerationOutput, once `stream()`'s generation has returned
         self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
         self._closed = False
 
     def put(self, row: int, text: str) -> None:
@@ -150,60 +103,56 @@ class IteratorStreamer:
     def end(self) -> None:
         self._queue.put(_END)
 
-    def fail(self, error: BaseException) -> None:
-        """Hand an exception from the generating thread to the loop, which raises it."""
-        self._queue.put(error)
-
     def __iter__(self):
         try:
-            while True:
-                item = self._next_item()
-                if item is _END:
-                    break
+            while (item := self._next_item()) is not _END:
                 row, text = item
                 yield (row, text) if self.with_row else text
-            if self._thread is not None:  # generate() returns right after end(): wait for its result
-                self._thread.join()
-                while not self._queue.empty():  # an error raised after end()
-                    self._next_item()
         finally:
             self._closed = True
 
     def _next_item(self):
         try:
-            item = self._queue.get(timeout=self.timeout)
+            return self._queue.get(timeout=self.timeout)
         except queue.Empty:
             raise TimeoutError(f"no text within timeout={self.timeout} s: the generation is slow or stuck; "
                                f"raise the timeout or pass timeout=None") from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
 
-def stream(model, prompts, config=None, *, tokenizer, timeout: float | None = None, with_row: bool = False,
-           **generate_kwargs) -> IteratorStreamer:
-    """Start `generate()` in a background thread and return the streamer to loop over.
+class TextStream:
+    """A `for` loop over the text of a generation, run step by step in the caller's thread.
+
+    Iterating drives the generation; `result` is its GenerationOutput once the loop has
+    run to the end (None if it was left early: the rest is simply never computed).
+    """
+
+    def __init__(self, generation, with_row: bool = False):
+        self.generation, self.with_row = generation, with_row
+
+    @property
+    def result(self):
+        return self.generation.output
+
+    def __iter__(self):
+        for event in self.generation:
+            if event.text:
+                yield (event.row, event.text) if self.with_row else event.text
+
+
+def stream(model, prompts, config=None, *, tokenizer, with_row: bool = False, **generate_kwargs) -> TextStream:
+    """Loop over the text of `generate()` as it forms (pieces, or (row, piece) with `with_row`).
 
         s = stream(model, "Tell me a joke", tokenizer=tok, max_new_tokens=60)
         for piece in s:
             print(piece, end="", flush=True)
         s.result.rows[0].finish_reason, s.result.stats.time_to_first_token
 
-    An exception in the generation (a bad setting, a too-long prompt) is raised by the loop.
+    Settings are checked at the call, so a bad one raises before the loop starts.
     """
-    from .infer import generate  # infer imports this module (through stopping)
+    from .infer import generate  # infer is a strategy; streamers are front ends above it
 
-    streamer = IteratorStreamer(timeout, with_row=with_row)
+    return TextStream(generate(model, prompts, config, tokenizer=tokenizer, stream=True, **generate_kwargs), with_row)
 
-    def work():
-        try:
-            streamer.result = generate(model, prompts, config, tokenizer=tokenizer, streamer=streamer,
-                                       **generate_kwargs)
-        except StreamClosed:
-            pass
-        except BaseException as error:  # shown to the consumer, never lost in the thread
-            streamer.fail(error)
 
-    streamer._thread = threading.Thread(target=work, name="minillm-generate", daemon=True)
-    streamer._thread.start()
-    return streamer
+__all__ = ["IncrementalDecoder", "REPLACEMENT", "Streamer", "CallbackStreamer", "PrintStreamer", "IteratorStreamer",
+           "StreamClosed", "TextStream", "stream"]

@@ -24,7 +24,7 @@ from tiktoken.load import load_tiktoken_bpe
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from .fetch import PackagedFile, fetch_packaged_file, minillm_home
+from .fetch import ModelLoadError, PackagedFile, fetch_packaged_file, minillm_home, one_line, read_json
 
 
 class Tokenizer(Protocol):
@@ -63,6 +63,7 @@ GPT2_RANKS = PackagedFile(
     requirement="openai-whisper==20250625",
     archive_sha256="37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96",
     member="whisper/assets/gpt2.tiktoken",
+    member_sha256="306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
     source=True,
 )
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -148,24 +149,34 @@ def tokenizer_from_gguf_metadata(meta: dict) -> HFTokenizerWrapper:
 
 
 def tokenizer_from_folder(folder: Path, model_type: str) -> Tokenizer | None:
-    """The tokenizer of a Hugging Face checkpoint folder, or None if it ships none."""
-    import json
+    """The tokenizer of a Hugging Face checkpoint folder, or None if it ships none.
 
+    A file that is there but unreadable is an error naming it, not a silent fallback.
+    """
     if model_type == "gpt2":
         return gpt2_tokenizer()
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.exists():
         return None
-    config = {}
-    if (folder / "tokenizer_config.json").exists():
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    tok = HFTokenizer.from_file(str(tokenizer_file))
+    config_file = folder / "tokenizer_config.json"
+    config = read_json(config_file) if config_file.exists() else {}
+    try:
+        tok = HFTokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # the tokenizers library raises a bare Exception for bad files
+        raise ModelLoadError(f"{tokenizer_file} is not a valid tokenizer file ({one_line(e)}): "
+                             f"fetch the checkpoint again") from None
     eos = config.get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
+    if eos is not None and not isinstance(eos, str):
+        raise ModelLoadError(f"{config_file} has eos_token {eos!r}: it must be the token's text")
     eos_id = tok.token_to_id(eos) if eos else None
     template = config.get("chat_template")
-    if template is None and (folder / "chat_template.jinja").exists():
-        template = (folder / "chat_template.jinja").read_text()
+    template_file = folder / "chat_template.jinja"
+    if template is None and template_file.exists():
+        try:
+            template = template_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"cannot read {template_file} ({one_line(e)}): fix it or fetch it again") from None
     bos = config.get("bos_token")
     return HFTokenizerWrapper(tok, eos_id, template, {"eos_token": eos, "bos_token": bos if isinstance(bos, str) else None})

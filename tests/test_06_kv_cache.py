@@ -166,7 +166,7 @@ def _linear_reference(layer, x):
 @pytest.mark.parametrize("bias", [True, False])
 def test_fast_linear_equals_plain_linear(rows, out_features, bias):
     """The decode-speed Linear (oneDNN on a prepacked weight) computes F.linear."""
-    from minillm.model import Linear
+    from minillm.onednn import OneDNNLinear as Linear
 
     torch.manual_seed(0)
     layer = Linear(40, out_features, bias=bias).requires_grad_(False)
@@ -179,7 +179,7 @@ def test_fast_linear_equals_plain_linear(rows, out_features, bias):
 
 def test_fast_linear_repacks_when_the_weight_changes():
     """A stale packed copy would keep computing with the old weight after a load or an edit."""
-    from minillm.model import Linear
+    from minillm.onednn import OneDNNLinear as Linear
 
     torch.manual_seed(0)
     layer = Linear(16, 24).requires_grad_(False)
@@ -195,7 +195,7 @@ def test_fast_linear_survives_deepcopy_and_dtype_changes():
     """Lessons copy models (drafts, precision variants); the packed copy must not get in the way."""
     import copy
 
-    from minillm.model import Linear
+    from minillm.onednn import OneDNNLinear as Linear
 
     torch.manual_seed(0)
     layer = Linear(16, 24).requires_grad_(False)
@@ -208,7 +208,7 @@ def test_fast_linear_survives_deepcopy_and_dtype_changes():
 
 def test_fast_linear_keeps_gradients_when_training():
     """With gradients wanted, Linear falls back to F.linear, which has a backward."""
-    from minillm.model import Linear
+    from minillm.onednn import OneDNNLinear as Linear
 
     layer = Linear(8, 4)
     layer(torch.randn(2, 8)).sum().backward()

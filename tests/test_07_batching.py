@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from minillm.batching import (attention_mask, generate_in_batches, greedy_right_padded, length_sorted_chunks,
-                              pad_left, padding_share)
+from minillm.batching import attention_mask, greedy_right_padded, length_sorted_chunks, pad_left, padding_share
+from minillm.infer import generate_in_batches
 from minillm.cli import main
 from minillm.infer import generate
 from minillm.tiny import tiny_pair

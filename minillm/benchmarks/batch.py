@@ -3,8 +3,9 @@
 At batch 1 a decode step reads every weight to produce one token; a batch of B
 rows reads the same weights once for B tokens, so throughput grows almost
 linearly until the matrix multiplications become compute-bound. Prompts of mixed
-lengths are left-padded, and the padding is computed too: the suite reports
-its share.
+lengths are padded to the longest for the prefill (on the right in minillm's decode
+session, on the left in transformers), and the padding is computed too: the suite
+reports its share.
 
 minillm's `generate` and transformers' batched `generate` (left padding,
 `attention_mask`) run the same prompts on the same FP32 weights, alternating in
@@ -26,7 +27,7 @@ import time
 import torch
 
 from ..batching import pad_left, padding_share
-from ..bench import alternate, machine_label, median, synchronize
+from .common import alternate, median, plot_title, save_png, spread_band, synchronize
 from ..infer import generate
 
 # A mix of prompt lengths (tokens), cycled to fill each batch: mean ~30, longest 64.
@@ -93,7 +94,8 @@ def _summary(record, batch, new_tokens) -> dict:
     total = median([r[0] for r in record])
     first = median([r[1] for r in record])
     decode = total - first
-    return {"seconds": total, "time_to_first_token": first,
+    return {"seconds": total, "seconds_per_repeat": [r[0] for r in record],
+            "time_to_first_token_per_repeat": [r[1] for r in record], "time_to_first_token": first,
             "tokens_per_second": batch * new_tokens / total,
             "decode_per_second": batch * (new_tokens - 1) / decode,
             "ms_per_token": 1000 * decode / (new_tokens - 1)}
@@ -120,7 +122,7 @@ def run(args) -> dict:
             alternate({"minillm": _minillm_contender(model, prompts, new_tokens, args.device, records["minillm"]),
                        "transformers": _transformers_contender(hf_model, prompts, new_tokens, args.device,
                                                                records["transformers"])},
-                      repeats=repeats, warmup=1)
+                      repeats=repeats, warmup=1, desc=f"batch {batch}")
         lengths = [len(p) for p in prompts]
         row = {"batch": batch, "prompt_lengths": lengths, "padding_share": padding_share(lengths, new_tokens),
                "prefill_padding_share": padding_share(lengths),
@@ -141,33 +143,47 @@ def run(args) -> dict:
 
 
 def plot(data: dict, path) -> None:
+    """Throughput (all rows, and the decode phase alone) and per-row latency against batch size.
+
+    Bands: min-max over the repeats, each repeat's figures computed from its own times.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = data["rows"]
+    rows, new_tokens = data["rows"], data["new_tokens"]
     batches = [r["batch"] for r in rows]
-    fig, (ax_tp, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.2))
+
+    def per_repeat(name, figure):  # figure(batch, total seconds, seconds to the first token) for each repeat
+        return [[figure(r["batch"], total, first) for total, first in
+                 zip(r[name].get("seconds_per_repeat", []), r[name].get("time_to_first_token_per_repeat", []))]
+                for r in rows]
+
+    fig, (ax_tp, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.4))
     for name, color in (("minillm", "tab:blue"), ("transformers", "tab:orange")):
         ax_tp.plot(batches, [r[name]["tokens_per_second"] for r in rows], "o-", color=color, label=f"{name}")
+        spread_band(ax_tp, batches, per_repeat(name, lambda b, total, first: b * new_tokens / total), color)
         ax_tp.plot(batches, [r[name]["decode_per_second"] for r in rows], "o--", color=color, alpha=0.5,
                    label=f"{name}, decode only")
+        spread_band(ax_tp, batches, per_repeat(name, lambda b, total, first: b * (new_tokens - 1) / (total - first)),
+                    color)
         ax_lat.plot(batches, [r[name]["ms_per_token"] for r in rows], "o-", color=color, label=name)
+        spread_band(ax_lat, batches,
+                    per_repeat(name, lambda b, total, first: 1000 * (total - first) / (new_tokens - 1)), color)
     for ax in (ax_tp, ax_lat):
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("batch size (prompts generated together)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     ax_tp.set_ylabel("generated tokens / s (all rows)")
     ax_tp.set_title("throughput")
     ax_lat.set_ylabel("ms per token (each row, decoding)")
     ax_lat.set_title("per-token latency")
-    model = "SmolLM2-135M-Instruct" if data["model"] == "default" else data["model"]
-    fig.suptitle(f"Batched generation, {model} {data['dtype']} on {data['machine']['device']}, "
-                 f"{data['new_tokens']} new tokens, mixed prompt lengths ({machine_label(data['machine'])})",
-                 fontsize=10)
+    fig.suptitle(plot_title("Batched generation", data, data["dtype"]) +
+                 f"\n{new_tokens} new tokens, mixed prompt lengths; median over repeats (n = {data['repeats']}), "
+                 "bands: min-max", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)

@@ -22,7 +22,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..bench import alternate, machine_label, median, synchronize
+from .common import alternate, median, plot_title, save_png, spread_band, synchronize
 from ..kv_cache import make_cache
 from ..model import causal_positions
 from .batch import TEXT
@@ -72,7 +72,8 @@ def run(args) -> dict:
     with torch.inference_mode():
         for L in tqdm(lengths, desc="cache-scaling", unit="length"):
             times = alternate(step_contenders(model, ids[:L], args.device), repeats=repeats, warmup=1)
-            rows.append({"length": L, **{name: 1000 * median(t) for name, t in times.items()}})
+            rows.append({"length": L, **{name: 1000 * median(t) for name, t in times.items()},
+                         "ms_per_repeat": {name: [1000 * s for s in t] for name, t in times.items()}})
             tqdm.write(f"L={L:5d}: " + ", ".join(f"{n} {rows[-1][n]:.1f} ms" for n in times))
     first, last = rows[0], rows[-1]
     return {"model": args.model, "quick": args.quick, "dtype": "float32", "repeats": repeats, "unit": "ms per generated token",
@@ -81,7 +82,11 @@ def run(args) -> dict:
 
 
 def plot(data: dict, path=None):
-    """Left: ms for the next token against length. Right: total ms to generate up to that length."""
+    """Three panels: the cached routes alone (their own scale), all three routes on a log axis, and the total.
+
+    On one linear axis the uncached line, tens of times higher, would flatten the
+    cached ones into the floor. Bands: min-max over the repeats.
+    """
     import matplotlib
 
     if path is not None:
@@ -90,11 +95,14 @@ def plot(data: dict, path=None):
 
     rows = data["rows"]
     lengths = [r["length"] for r in rows]
-    fig, (ax_step, ax_total) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_cached, ax_step, ax_total) = plt.subplots(1, 3, figsize=(15, 4.4))
     styles = {"static cache": "tab:blue", "dynamic cache": "tab:green", "no cache": "tab:red"}
     for name, color in styles.items():
         per_token = [r[name] for r in rows]
-        ax_step.plot(lengths, per_token, "o-", color=color, label=name)
+        samples = [r.get("ms_per_repeat", {}).get(name) for r in rows]
+        for ax in (ax_cached, ax_step) if name != "no cache" else (ax_step,):
+            ax.plot(lengths, per_token, "o-", color=color, label=name)
+            spread_band(ax, lengths, samples, color)
         # Total cost of generating tokens 1..L: the integral of the per-token cost (trapezoids from 0).
         totals, acc, prev_len, prev_cost = [], 0.0, 0, per_token[0]
         for L, cost in zip(lengths, per_token):
@@ -102,18 +110,20 @@ def plot(data: dict, path=None):
             totals.append(acc / 1000)
             prev_len, prev_cost = L, cost
         ax_total.plot(lengths, totals, "o-", color=color, label=name)
-    ax_step.set_ylabel("ms for the next token")
-    ax_step.set_title("cost of one more token")
-    ax_total.set_ylabel("s to generate the whole sequence (estimated)")
-    ax_total.set_title("total cost: linear with a cache, quadratic without")
-    for ax in (ax_step, ax_total):
+    ax_cached.set(ylabel="ms for the next token", title="with a cache, on its own scale", ylim=(0, None))
+    ax_step.set(ylabel="ms for the next token (log scale)", title="every route, log scale", yscale="log")
+    ax_total.set(ylabel="s for the whole sequence (estimated)", xscale="log", yscale="log",
+                 title="total cost, log-log: slope 1 = linear, 2 = quadratic")
+    ax_total.set_xticks(lengths, [str(L) for L in lengths], minor=False)
+    ax_total.minorticks_off()
+    for ax in (ax_cached, ax_step, ax_total):
         ax.set_xlabel("sequence length (tokens)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"KV cache scaling, {data['model']} {data['dtype']} on {data['machine']['device']} "
-                 f"({machine_label(data['machine'])})", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(plot_title("KV cache scaling", data, data["dtype"]) +
+                 f"; median over repeats (n = {data['repeats']}), bands: min-max", fontsize=10)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=120)
+        save_png(fig, path)
         plt.close(fig)
     return fig

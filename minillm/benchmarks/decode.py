@@ -25,9 +25,8 @@ from __future__ import annotations
 import time
 
 import torch
-from tqdm.auto import tqdm
 
-from ..bench import alternate, machine_label, measure_memory_bandwidth, median, synchronize
+from .common import alternate, measure_memory_bandwidth, median, plot_title, save_png, spread, synchronize
 from ..infer import generate
 from ..model import causal_positions
 from .batch import TEXT
@@ -122,23 +121,14 @@ def run(args) -> dict:
             contenders["transformers static"] = _transformers(hf_model, prompt, new_tokens, args.device,
                                                               records.setdefault("transformers static", []),
                                                               cache_implementation="static")
-        bar = tqdm(total=(repeats + 1) * len(contenders), desc=f"decode {dtype}", leave=False)
-
-        def ticking(fn):
-            def call():
-                seconds = fn()
-                bar.update()
-                return seconds
-            return call
-
-        times = alternate({name: ticking(fn) for name, fn in contenders.items()}, repeats=repeats, warmup=1)
-        bar.close()
+        times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode {dtype}")
         weight_bytes = model.num_weight_bytes()
         rows = {}
         for name, seconds in times.items():
             tok_s = (new_tokens - 1) / median(seconds)
             rows[name] = {"tokens_per_second": tok_s, "ms_per_token": 1000 / tok_s,
-                          "roofline_fraction": tok_s * weight_bytes / bandwidth}
+                          "roofline_fraction": tok_s * weight_bytes / bandwidth,
+                          "decode_seconds_per_repeat": seconds}
         reference = "transformers" if "transformers" in rows else None
         for name, row in rows.items():
             if reference:
@@ -165,35 +155,39 @@ def run(args) -> dict:
 
 
 def plot(data: dict, path=None):
-    """Bars of decode tokens/s per contender and dtype, with each dtype's roofline as a line."""
+    """Bars of decode tokens/s per contender and dtype (whiskers: min-max over the repeats), roofline dashed."""
     import matplotlib
 
     if path is not None:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(data["results"]), figsize=(5.5 * len(data["results"]), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(data["results"]), figsize=(5.5 * len(data["results"]), 4.6), squeeze=False)
     for ax, (dtype, res) in zip(axes[0], data["results"].items()):
         names = list(res["contenders"])
         speeds = [res["contenders"][n]["tokens_per_second"] for n in names]
+        per_repeat = [[(data["new_tokens"] - 1) / s for s in res["contenders"][n].get("decode_seconds_per_repeat", [])]
+                      for n in names]
         colors = ["tab:blue" if n.startswith("minillm") else "tab:orange" for n in names]
-        bars = ax.bar(range(len(names)), speeds, color=colors)
-        for bar, n in zip(bars, names):
+        bars = ax.bar(range(len(names)), speeds, color=colors, yerr=spread(speeds, per_repeat), capsize=4)
+        for bar, n in zip(bars, names):  # inside the bar, clear of the whiskers
             ax.annotate(f"{res['contenders'][n]['roofline_fraction']:.0%}", (bar.get_x() + bar.get_width() / 2,
-                        bar.get_height()), ha="center", va="bottom", fontsize=8)
+                        bar.get_height() / 2), ha="center", va="center", fontsize=8, color="white")
         ax.axhline(res["roofline_tokens_per_second"], color="gray", ls="--",
                    label=f"roofline {res['roofline_tokens_per_second']:.0f} tok/s "
                          f"({res['weight_bytes'] / 1e6:.0f} MB at {data['memory_bandwidth_gb_s']:.0f} GB/s)")
         ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
-        ax.set_ylabel("decode tokens / s (batch 1, greedy)")
+        ax.set_xlabel("library and KV cache")
+        ax.set_ylabel("decode speed (tokens/s, batch 1, greedy)")
         ax.set_title(dtype)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.set_ylim(0, 1.2 * max(res["roofline_tokens_per_second"], *speeds))
+        ax.legend(fontsize=8, loc="upper right")
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"Decode speed, {data['model']} on {data['machine']['device']}, {data['prompt_tokens']} prompt + "
-                 f"{data['new_tokens']} new tokens ({machine_label(data['machine'])}); % = share of roofline",
-                 fontsize=10)
+    fig.suptitle(plot_title("Decode speed at batch 1", data, " and ".join(data["results"])) +
+                 f"\n{data['prompt_tokens']} prompt + {data['new_tokens']} new tokens; bars: median over repeats "
+                 f"(n = {data['repeats']}), whiskers: min-max; labels: share of the roofline", fontsize=10)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=120)
+        save_png(fig, path)
         plt.close(fig)
     return fig

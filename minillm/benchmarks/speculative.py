@@ -9,6 +9,14 @@ speedup over the same library's plain greedy, acceptance rate, tokens per target
 forward, whether the tokens equal plain greedy's, and the cost model's prediction from
 the measured acceptance rate, the measured draft/target cost ratio c and the measured
 cost of verifying k + 1 tokens in one forward.
+
+Every k adds one run per drafter and library, and a draft model's run grows with k
+(it drafts k tokens one forward at a time), so the draft lengths decide the run time:
+
+    python -m minillm.bench speculative                          # k = 1, 2, 4, 8; BF16 and 24-layer drafts
+    python -m minillm.bench speculative --ks 1,2,3,4,5,6,7,8     # every k up to 8: a longer run
+    python -m minillm.bench speculative --drafts dtype:bfloat16  # without the slow 24-layer drafts
+    python -m minillm.bench speculative --quick                  # 48 new tokens, the BF16 draft only
 """
 
 from __future__ import annotations
@@ -16,8 +24,9 @@ from __future__ import annotations
 import time
 
 import torch
+from tqdm.auto import tqdm
 
-from ..bench import alternate, machine_info, machine_label, median
+from .common import alternate, median, plot_title, save_png, spread_band
 from ..infer import generate
 from ..kv_cache import make_cache
 from ..speculative import DraftModel, PromptLookup, load_draft, predicted_speedup, speculative_generate
@@ -98,7 +107,8 @@ def measure_task(model, tokenizer, prompt: str, ks, max_new_tokens: int, repeats
                     hf_generate((f"transformers assistant {name}", k), assistant_model=assistant)
                 runs[f"transformers assistant {name}", k] = assisted
 
-    times = alternate({str(key): fn for key, fn in runs.items()}, repeats=repeats, warmup=1)
+    times = alternate({str(key): fn for key, fn in runs.items()}, repeats=repeats, warmup=1,
+                      desc="speculative runs")
     plain_ids = outputs["minillm plain"].rows[0].token_ids
     result = {"prompt_tokens": len(ids), "contenders": {}}
 
@@ -109,18 +119,21 @@ def measure_task(model, tokenizer, prompt: str, ks, max_new_tokens: int, repeats
     def speed(key):
         return len(tokens_of(key)) / median(times[str(key)])
 
-    result["minillm plain"] = {"tokens_per_second": speed("minillm plain"), "tokens": len(plain_ids)}
+    result["minillm plain"] = {"tokens_per_second": speed("minillm plain"), "tokens": len(plain_ids),
+                               "seconds_per_repeat": times["minillm plain"]}
     if hf is not None:
         hf_plain = tokens_of("transformers plain")
         result["transformers plain"] = {"tokens_per_second": speed("transformers plain"), "tokens": len(hf_plain),
-                                        "matches_minillm": hf_plain == plain_ids}
+                                        "matches_minillm": hf_plain == plain_ids,
+                                        "seconds_per_repeat": times["transformers plain"]}
     for key in runs:
         if isinstance(key, str):
             continue
         name, k = key
         library = name.split()[0]
         row = {"tokens_per_second": speed(key), "speedup": speed(key) / result[f"{library} plain"]["tokens_per_second"],
-               "matches_plain": tokens_of(key) == tokens_of(f"{library} plain")}
+               "matches_plain": tokens_of(key) == tokens_of(f"{library} plain"),
+               "tokens": len(tokens_of(key)), "seconds_per_repeat": times[str(key)]}
         if library == "minillm":
             row.update({f: outputs[key].stats.extra[f] for f in ("acceptance_rate", "tokens_per_target_forward")})
         result["contenders"].setdefault(name, {})[k] = row
@@ -147,9 +160,9 @@ def run(args) -> dict:
     model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
     folder = resolve_checkpoint_folder(args.model)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ks = (1, 2, 4, 8) if args.quick else tuple(range(1, 9))
+    ks = getattr(args, "ks", None) or (1, 2, 4, 8)  # --ks: each k adds one run per drafter and library
     max_new_tokens = 48 if args.quick else 128
-    draft_specs = DRAFTS[:1] if args.quick else DRAFTS
+    draft_specs = getattr(args, "drafts", None) or (DRAFTS[:1] if args.quick else DRAFTS)
     drafts = {spec: load_draft(spec, model)[0] for spec in draft_specs}
     hf_drafts = {}
     for spec in draft_specs:
@@ -161,52 +174,91 @@ def run(args) -> dict:
             draft.model.layers, draft.config.num_hidden_layers = draft.model.layers[:n], n
             hf_drafts[spec] = draft
     tasks = {}
-    for task, message in TASKS.items():
+    for task, message in tqdm(TASKS.items(), desc="speculative tasks", unit="task", disable=None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}])
-        print(f"speculative: {task} ...", flush=True)
+        tqdm.write(f"speculative: {task} ...")
         tasks[task] = measure_task(model, tokenizer, prompt, ks, max_new_tokens, args.repeats, drafts, hf, hf_drafts)
     context = max(t["prompt_tokens"] for t in tasks.values()) + max_new_tokens // 2
     verify_cost, draft_cost = cost_ratios(model, drafts, ks, context)
     for task in tasks.values():
         add_predictions(task, verify_cost, draft_cost)
     return {"model": args.model, "dtype": "float32", "max_new_tokens": max_new_tokens, "ks": list(ks),
+            "repeats": args.repeats,
             "verify_cost": verify_cost, "draft_cost_ratio": draft_cost, "tasks": tasks}
 
 
 def plot(data: dict, path=None):
-    """Speedup (measured, and predicted dashed) and acceptance rate against k, one row per task."""
+    """One row per task: tokens/s against k for each library (its plain greedy as a gray line, the speedup
+    over it on the right axis, the cost model dashed), and minillm's acceptance rate.
+
+    Colour names the drafter, so the same drafter can be compared across libraries
+    on the shared tokens/s axis. Bands: min-max over the repeats.
+    """
     import matplotlib
 
     if path is not None:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = data["tasks"]
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(12, 4.2 * len(tasks)), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for row, (task, result) in zip(axes, tasks.items()):
-        for i, (name, by_k) in enumerate(result["contenders"].items()):
-            ks = sorted(int(k) for k in by_k)
-            rows = [by_k[k] if k in by_k else by_k[str(k)] for k in ks]
-            style = dict(color=colors[i % len(colors)], marker="x" if name.startswith("transformers") else "o")
-            row[0].plot(ks, [r["speedup"] for r in rows], label=name, **style)
-            if rows[0].get("predicted_speedup") is not None:
-                row[0].plot(ks, [r["predicted_speedup"] for r in rows], linestyle="--", color=style["color"],
-                            label=f"{name} (cost model)")
+    def drafter(contender: str) -> str:  # 'minillm draft dtype:bfloat16', 'transformers assistant dtype:bfloat16'
+        return contender.split(" ", 1)[1].removeprefix("draft ").removeprefix("assistant ")
+
+    def by_draft_length(by_k: dict) -> tuple[list[int], list[dict]]:  # JSON turned the int keys into strings
+        ks = sorted(int(k) for k in by_k)
+        return ks, [by_k[k] if k in by_k else by_k[str(k)] for k in ks]
+
+    def plot_library(ax, result: dict, library: str) -> None:
+        plain = result[f"{library} plain"]
+        plain_speed = plain["tokens_per_second"]
+        ax.axhline(plain_speed, color="gray", label=f"plain greedy, {plain_speed:.1f} tok/s")
+        if plain.get("seconds_per_repeat"):
+            speeds = [plain["tokens"] / s for s in plain["seconds_per_repeat"]]
+            ax.axhspan(min(speeds), max(speeds), color="gray", alpha=0.15, linewidth=0)
+        for name, by_k in result["contenders"].items():
+            if not name.startswith(library):
+                continue
+            ks, rows = by_draft_length(by_k)
+            color = colors[drafter(name)]
+            ax.plot(ks, [r["tokens_per_second"] for r in rows], "o-", color=color, label=drafter(name))
+            spread_band(ax, ks, [[r["tokens"] / s for s in r.get("seconds_per_repeat", [])] for r in rows], color)
+            if "predicted_speedup" in rows[0]:
+                ax.plot(ks, [plain_speed * r["predicted_speedup"] if r["predicted_speedup"] is not None
+                             else float("nan") for r in rows], "--", color=color)
+        ax.secondary_yaxis("right", functions=(lambda y: y / plain_speed, lambda x: x * plain_speed)
+                           ).set_ylabel("speedup over plain greedy (x)")
+        ax.set(title=f"{task}: {library}", xlabel="draft length k (tokens)", ylabel="tokens / s (whole call)")
+
+    def plot_acceptance(ax, result: dict) -> None:
+        for name, by_k in result["contenders"].items():
+            ks, rows = by_draft_length(by_k)
             if "acceptance_rate" in rows[0]:
-                row[1].plot(ks, [r["acceptance_rate"] for r in rows], label=name, **style)
-        row[0].axhline(1.0, color="gray", linewidth=0.8)
-        row[0].set(title=f"{task}: speedup over plain cached greedy", xlabel="draft length k (tokens)",
-                   ylabel="speedup (x, tokens/s ratio)")
-        row[1].set(title=f"{task}: acceptance rate", xlabel="draft length k (tokens)",
-                   ylabel="drafted tokens accepted (fraction)", ylim=(0, 1.05))
-        row[0].legend(fontsize=7)
-        row[1].legend(fontsize=7)
-    machine = machine_label(data.get("machine") or machine_info())
-    fig.suptitle(f"Speculative decoding, greedy, batch 1: {data['model']} model, {data['dtype']}, "
-                 f"{data['max_new_tokens']} new tokens, CPU ({machine})")
+                ax.plot(ks, [r["acceptance_rate"] if r["acceptance_rate"] is not None else float("nan")
+                             for r in rows], "o-", color=colors[drafter(name)], label=drafter(name))
+        ax.set(title=f"{task}: minillm acceptance rate", xlabel="draft length k (tokens)",
+               ylabel="drafted tokens accepted (fraction)", ylim=(0, 1.05))
+
+    tasks = data["tasks"]
+    libraries = [library for library in ("minillm", "transformers")
+                 if any(name.startswith(library) for result in tasks.values() for name in result["contenders"])]
+    drafters = list(dict.fromkeys(drafter(name) for result in tasks.values() for name in result["contenders"]))
+    colors = dict(zip(drafters, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, axes = plt.subplots(len(tasks), len(libraries) + 1, figsize=(5 * (len(libraries) + 1), 4.4 * len(tasks)),
+                             squeeze=False)
+    for panels, (task, result) in zip(axes, tasks.items()):
+        for ax in panels[1:len(libraries)]:  # one tokens/s scale per task: the libraries compare directly
+            ax.sharey(panels[0])
+        for ax, library in zip(panels, libraries):
+            plot_library(ax, result, library)
+        plot_acceptance(panels[-1], result)
+        for ax in panels:
+            ax.set_xticks(sorted({int(k) for by_k in result["contenders"].values() for k in by_k}))
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+    fig.suptitle(plot_title("Speculative decoding, greedy, batch 1", data, data["dtype"]) +
+                 f"\nup to {data['max_new_tokens']} new tokens; dashed: cost model from the measured acceptance; "
+                 "lines: median over repeats, bands: min-max", fontsize=10)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=110)
+        save_png(fig, path)
         plt.close(fig)
     return fig

@@ -1,0 +1,7 @@
+"""`python -m minillm`: the command-line interface (the same as `python -m minillm.infer`)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,323 @@
+"""The README's measured figures against results/*.json, the benchmark plots, and the strict JSON writer.
+
+A figure in the README must be what the JSON says: regenerating the generated
+section from the committed JSON must give the committed README byte for byte, so
+a hand edit or a stale figure fails here. The report and the plots are then
+checked on small synthetic results, where the right answer is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+import pytest
+
+from minillm.bench import OPTION_COMMANDS, README, RESULTS, build_parser, git_stamp, write_results
+from minillm.benchmarks import batch, cache_scaling, decode, report, speculative
+from minillm.jsonio import dumps, read_json, write_json
+
+PLOTS = {"decode": decode.plot, "cache-scaling": cache_scaling.plot, "batch": batch.plot,
+         "speculative": speculative.plot}
+
+
+def strict_loads(text: str):
+    """json.loads that refuses NaN and Infinity, as every parser outside Python does."""
+    def reject(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=reject)
+
+
+# --- The committed README and results. -----------------------------------------------------------------------------
+
+def test_readme_figures_are_generated_from_results():
+    readme = README.read_text()
+    regenerated = report.regenerate(readme, RESULTS, README.parent)
+    assert regenerated == readme, "README.md differs from results/*.json: run `python -m minillm.bench report`"
+
+
+def test_measured_section_has_no_hand_typed_figures():
+    """Outside the generated block, the section may hold prose but no number: numbers come from the JSON."""
+    readme = README.read_text()
+    section = readme[readme.index("## Measured speedups"):]
+    section = section[:section.index("\n## ")]
+    by_hand = section[:section.index(report.BEGIN)] + section[section.index(report.END) + len(report.END):]
+    assert not re.findall(r"\d", by_hand.removeprefix("## Measured speedups")), by_hand
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda path: path.name)
+def test_results_are_strict_json(path):
+    strict_loads(path.read_text())
+
+
+# --- The report on synthetic results. -------------------------------------------------------------------------------
+
+MACHINE = {"cpu": "Test CPU", "cores": 4, "memory_gib": 16.0, "cpu_flags": ["avx2"], "torch_threads": 4,
+           "torch": "2.13.0+cpu", "python": "3.11.7", "device": "cpu", "transformers": "5.23.0"}
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+TEMPLATE = f"# x\n\n## Measured speedups\n\nProse.\n\n{report.BEGIN}\nstale\n{report.END}\n\n## Next\n\nMore.\n"
+
+
+def stamped(suite: str, **data) -> dict:
+    return {"suite": suite, "machine": MACHINE, "command": f"python -m minillm.bench {suite}",
+            "git": {"commit": COMMIT, "dirty": False}, "date": "2025-01-02T03:04:05+00:00", "model": "default",
+            "repeats": 3, **data}
+
+
+def around(value: float) -> list[float]:
+    """Three repeats whose median is `value`."""
+    return [0.9 * value, value, 1.2 * value]
+
+
+def decode_result(fp32_minillm: float = 44.0) -> dict:
+    def contender(tokens_per_second):
+        return {"tokens_per_second": tokens_per_second, "ms_per_token": 1000 / tokens_per_second,
+                "roofline_fraction": tokens_per_second / 80,
+                "decode_seconds_per_repeat": around(15 / tokens_per_second)}
+
+    def precision(minillm, transformers):
+        return {"weight_bytes": 538_060_032, "roofline_tokens_per_second": 80.0,
+                "contenders": {"minillm static": contender(minillm), "transformers": contender(transformers)},
+                "same_tokens_as_minillm_static": {"minillm static": True, "transformers": True}}
+
+    return stamped("decode", quick=False, prompt_tokens=32, new_tokens=16, memory_bandwidth_gb_s=43.0,
+                   results={"float32": precision(fp32_minillm, 20.0), "bfloat16": precision(50.0, 36.0)},
+                   prefill={"tokens": 128, "seconds": {"minillm": 0.1, "transformers": 0.2},
+                            "speedup_vs_transformers": 2.0})
+
+
+def cache_scaling_result() -> dict:
+    costs = {32: (20.0, 20.5, 40.0), 64: (21.0, 22.0, 75.0)}
+    names = ("static cache", "dynamic cache", "no cache")
+    rows = [{"length": length, **dict(zip(names, ms)), "ms_per_repeat": {n: around(v) for n, v in zip(names, ms)}}
+            for length, ms in costs.items()]
+    return stamped("cache-scaling", quick=True, dtype="float32", unit="ms per generated token", rows=rows,
+                   growth={n: costs[64][i] / costs[32][i] for i, n in enumerate(names)})
+
+
+def batch_result() -> dict:
+    def summary(batch_size, seconds, first=0.05, new_tokens=8):
+        return {"seconds": seconds, "seconds_per_repeat": around(seconds), "time_to_first_token": first,
+                "time_to_first_token_per_repeat": [first] * 3, "tokens_per_second": batch_size * new_tokens / seconds,
+                "decode_per_second": batch_size * (new_tokens - 1) / (seconds - first),
+                "ms_per_token": 1000 * (seconds - first) / (new_tokens - 1)}
+
+    rows = []
+    for batch_size, minillm, transformers in ((1, 0.2, 0.4), (2, 0.25, 0.5)):
+        rows.append({"batch": batch_size, "prompt_lengths": [9, 57][:batch_size], "padding_share": 0.1 * batch_size,
+                     "prefill_padding_share": 0.2 * batch_size, "same_tokens": True,
+                     "minillm": summary(batch_size, minillm), "transformers": summary(batch_size, transformers),
+                     "speedup_vs_transformers": transformers / minillm,
+                     "minillm_scaling_vs_batch_1": 0.2 / minillm * batch_size})
+    return stamped("batch", dtype="float32", new_tokens=8, rows=rows)
+
+
+def speculative_result() -> dict:
+    def timed(tokens_per_second):
+        return {"tokens_per_second": tokens_per_second, "tokens": 40,
+                "seconds_per_repeat": around(40 / tokens_per_second)}
+
+    def transformers(tokens_per_second):
+        return {**timed(tokens_per_second), "speedup": tokens_per_second / 20.0, "matches_plain": True}
+
+    def minillm(tokens_per_second, acceptance=math.nan):  # NaN: nothing was drafted
+        return {**timed(tokens_per_second), "speedup": tokens_per_second / 30.0, "matches_plain": True,
+                "acceptance_rate": acceptance, "tokens_per_target_forward": 1.5,
+                "predicted_speedup": math.nan if math.isnan(acceptance) else 1.2}
+
+    task = {"prompt_tokens": 50, "minillm plain": timed(30.0),
+            "transformers plain": {**timed(20.0), "matches_minillm": True},
+            "contenders": {"minillm prompt-lookup": {1: minillm(45.0, 0.9), 2: minillm(60.0)},
+                           "minillm draft dtype:bfloat16": {1: minillm(28.0, 0.95), 2: minillm(31.0, 0.97)},
+                           "transformers prompt-lookup": {1: transformers(24.0), 2: transformers(30.0)}}}
+    return stamped("speculative", dtype="float32", max_new_tokens=40, ks=[1, 2], verify_cost={1: 1.4, 2: 1.6},
+                   draft_cost_ratio={"dtype:bfloat16": 0.7}, tasks={"edit": task})
+
+
+SYNTHETIC = {"decode": decode_result, "cache-scaling": cache_scaling_result, "batch": batch_result,
+             "speculative": speculative_result}
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    """A results folder with every suite's synthetic JSON, written as the runner writes it."""
+    for suite, make in SYNTHETIC.items():
+        write_results(suite, make(), tmp_path)
+    return tmp_path
+
+
+def generated(readme: str) -> str:
+    return readme[readme.index(report.BEGIN):readme.index(report.END)]
+
+
+def flat(text: str) -> str:
+    """Prose with its line breaks undone: the report wraps sentences wherever they reach the line length."""
+    return " ".join(text.split())
+
+
+def test_report_quotes_the_json_and_changes_with_it(results_dir):
+    first = report.regenerate(TEMPLATE, results_dir, results_dir)
+    assert "| FP32 | 44.0 | 20.0 | **2.20x** |" in first
+    write_results("decode", decode_result(fp32_minillm=51.2), results_dir)
+    second = report.regenerate(TEMPLATE, results_dir, results_dir)
+    assert "| FP32 | 51.2 | 20.0 | **2.56x** |" in second
+    assert "44.0" not in generated(second)
+
+
+def test_report_names_command_machine_and_commit(results_dir):
+    text = flat(report.regenerate(TEMPLATE, results_dir, results_dir))
+    assert "_`python -m minillm.bench decode` on Test CPU, 4 cores, 16 GiB (cpu), torch 2.13.0+cpu" in text
+    assert "commit 0123456, 2025-01-02; medians of 3 timed repeats" in text
+    dirty = {**decode_result(), "git": {"commit": COMMIT, "dirty": True}}
+    write_results("decode", dirty, results_dir)
+    assert "commit 0123456 (dirty)" in flat(report.regenerate(TEMPLATE, results_dir, results_dir))
+    old = {key: value for key, value in decode_result().items() if key not in ("git", "date")}
+    write_results("decode", old, results_dir)
+    assert "5.23.0; unknown commit; medians" in flat(report.regenerate(TEMPLATE, results_dir, results_dir))
+
+
+def test_report_says_which_suite_is_missing(results_dir):
+    (results_dir / "batch.json").unlink()
+    text = flat(report.regenerate(TEMPLATE, results_dir, results_dir))
+    assert ("**Batching**: no results yet. Run `python -m minillm.bench batch`, then "
+            "`python -m minillm.bench report`.") in text
+    assert "**Decoding at batch 1** (" in text
+
+
+def test_report_rewrites_only_between_the_markers(results_dir):
+    text = report.regenerate(TEMPLATE, results_dir, results_dir)
+    assert text.startswith("# x\n\n## Measured speedups\n\nProse.\n\n" + report.BEGIN)
+    assert text.endswith(report.END + "\n\n## Next\n\nMore.\n")
+    assert "stale" not in text
+    assert report.regenerate(text, results_dir, results_dir) == text  # a second run changes nothing
+
+
+def test_report_without_markers_says_how_to_add_them(results_dir):
+    with pytest.raises(ValueError, match="no generated section"):
+        report.regenerate("# x\n\n## Measured speedups\n\nProse.\n", results_dir, results_dir)
+
+
+def test_report_handles_undefined_acceptance(results_dir):
+    """A NaN acceptance rate (nothing drafted) is null in the JSON and left out of the table, not printed."""
+    assert read_json(results_dir / "speculative.json")["tasks"]["edit"]["contenders"]["minillm prompt-lookup"]["2"][
+        "acceptance_rate"] is None
+    text = report.regenerate(TEMPLATE, results_dir, results_dir)
+    assert "| edit | minillm prompt-lookup | 30.0 | 1.50x (0.90) | **2.00x** |" in text
+    assert "nan" not in text.lower()
+
+
+def test_report_check_exits_1_when_stale(results_dir, tmp_path, capsys):
+    from minillm.bench import main
+
+    readme = tmp_path / "README.md"
+    readme.write_text(TEMPLATE)
+    assert main(["report", "--out", str(results_dir), "--readme", str(readme), "--check"]) == 1
+    assert readme.read_text() == TEMPLATE
+    assert main(["report", "--out", str(results_dir), "--readme", str(readme)]) == 0
+    assert main(["report", "--out", str(results_dir), "--readme", str(readme), "--check"]) == 0
+    assert "[plot](decode.png)" in readme.read_text()  # links relative to the README
+
+
+# --- Plots. ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suite", PLOTS)
+def test_plots_draw_committed_and_synthetic_results(suite, tmp_path):
+    """Each plot draws results with per-repeat times (spread shown) and older ones without, as a small PNG."""
+    sources = {"synthetic": read_json(write_results(suite, SYNTHETIC[suite](), tmp_path))}
+    if (RESULTS / f"{suite}.json").exists():
+        sources["committed"] = read_json(RESULTS / f"{suite}.json")
+    for name, data in sources.items():
+        path = tmp_path / f"{suite}-{name}.png"
+        PLOTS[suite](data, path)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size < 200_000, f"{path.name}: {path.stat().st_size} bytes"
+
+
+def test_speculative_plot_takes_a_notebook_measurement():
+    """Notebook 08 plots one task measured in memory: int keys, minillm only, no machine info."""
+    data = speculative_result()
+    task = data["tasks"]["edit"]
+    task["contenders"] = {"minillm prompt-lookup": task["contenders"]["minillm prompt-lookup"]}
+    del task["transformers plain"]
+    fig = speculative.plot({key: data[key] for key in ("tasks", "model", "dtype", "max_new_tokens")})
+    assert len(fig.axes) >= 2
+
+
+# --- The runner's command line and stamp. ---------------------------------------------------------------------------
+
+def test_help_explains_every_option():
+    parser = build_parser()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings or action.dest} has no help"
+    assert "report" in parser.format_help()
+
+
+def test_draft_lengths_parse_and_reject_bad_values(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["speculative", "--ks", "1,2,4"]).ks == (1, 2, 4)
+    for bad in ("0,1", "a", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["speculative", "--ks", bad])
+    assert "expected positive integers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["decode", "--ks", "1,2"], ["batch", "--check"], ["report", "--quick"],
+                                  ["cache-scaling", "--drafts", "layers:24"]])
+def test_options_for_another_command_are_refused(argv, capsys):
+    from minillm.bench import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "applies to" in capsys.readouterr().err
+
+
+def test_every_option_is_assigned_to_commands():
+    parser = build_parser()
+    optional = {action.dest for action in parser._actions if action.option_strings} - {"help", "out"}
+    assert optional == set(OPTION_COMMANDS)
+
+
+def test_git_stamp(tmp_path):
+    assert git_stamp(tmp_path) is None  # not a checkout: the results record null
+    stamp = git_stamp()
+    if stamp is None:
+        pytest.skip("the course is not a git checkout here")
+    assert re.fullmatch(r"[0-9a-f]{40}", stamp["commit"]) and isinstance(stamp["dirty"], bool)
+
+
+# --- The strict JSON writer. ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Measurement:
+    rate: float
+    samples: list
+
+
+def test_dumps_writes_non_finite_floats_as_null():
+    data = {"a": math.nan, "b": [1.5, math.inf, {"c": -math.inf}], "d": (math.nan, 2),
+            "e": Measurement(math.nan, [math.inf, 3.0]), "f": "NaN"}
+    parsed = strict_loads(dumps(data))
+    assert parsed == {"a": None, "b": [1.5, None, {"c": None}], "d": [None, 2],
+                      "e": {"rate": None, "samples": [None, 3.0]}, "f": "NaN"}
+    assert strict_loads(dumps(data, allow_nan=True, indent=2)) == parsed  # allow_nan cannot be switched back on
+
+
+def test_write_json_is_strict_and_atomic(tmp_path):
+    path = tmp_path / "out.json"
+    write_json(path, {"x": math.nan, "y": 1})
+    assert strict_loads(path.read_text()) == {"x": None, "y": 1}
+    with pytest.raises(TypeError):
+        write_json(path, {"x": object()})  # not serialisable: the old file stays whole
+    assert strict_loads(path.read_text()) == {"x": None, "y": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left behind
+
+
+def test_read_json_refuses_nan(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"x": NaN}')
+    with pytest.raises(ValueError, match="NaN is not JSON"):
+        read_json(path)
