@@ -58,6 +58,16 @@ class KVCache:
     def _write(self, layer, k_new, v_new):
         raise NotImplementedError
 
+    def write_index(self, new_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [B, 1], columns [B, T]): where each row's T new tokens go. Made once per forward
+        (every layer writes the same columns), not once per layer."""
+        key = (tuple(self.lengths), new_tokens, device)
+        if getattr(self, "_index_key", None) != key:
+            rows = torch.arange(len(self.lengths), device=device)[:, None]
+            columns = torch.tensor(self.lengths, device=device)[:, None] + torch.arange(new_tokens, device=device)
+            self._index_key, self._index = key, (rows, columns)
+        return self._index
+
     def crop(self, n) -> None:
         """Forget every token after the first n of each row (n: an int for all rows, or a list per row)."""
         if isinstance(n, int):
@@ -119,8 +129,9 @@ class DynamicCache(KVCache):
                     store[layer] = torch.cat((t, t.new_zeros(*t.shape[:2], span - t.shape[2], t.shape[3])), dim=2)
                 else:
                     store[layer] = t[:, :, :span]
-            write_rows(self.keys[layer], k_new, self.lengths)
-            write_rows(self.values[layer], v_new, self.lengths)
+            index = self.write_index(T, k_new.device)
+            write_rows(self.keys[layer], k_new, index)
+            write_rows(self.values[layer], v_new, index)
         return self.keys[layer], self.values[layer]
 
     def crop(self, n):
@@ -205,8 +216,9 @@ class StaticCache(KVCache):
             k_all[:, :, start:end].copy_(k_new)
             v_all[:, :, start:end].copy_(v_new)
         else:
-            write_rows(k_all, k_new, self.lengths)
-            write_rows(v_all, v_new, self.lengths)
+            index = self.write_index(T, k_new.device)
+            write_rows(k_all, k_new, index)
+            write_rows(v_all, v_new, index)
         return k_all, v_all
 
     def reorder(self, index):
@@ -226,14 +238,12 @@ class StaticCache(KVCache):
             store[:, row, :, start : start + len(source)] = store[:, row, :, source]
 
 
-def write_rows(store: torch.Tensor, new: torch.Tensor, starts: list[int]) -> None:
-    """store[b, :, starts[b] + t] = new[b, :, t] for every row b and t < T, in one indexed write.
+def write_rows(store: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """store[b, :, columns[b, t]] = new[b, :, t] for every row b and t < T, in one indexed write.
 
-    store [B, KV, S, hd]; new [B, KV, T, hd].
+    store [B, KV, S, hd]; new [B, KV, T, hd]; index = (rows [B, 1], columns [B, T]).
     """
-    B, T = new.shape[0], new.shape[2]
-    rows = torch.arange(B, device=store.device)[:, None]  # [B, 1]
-    columns = torch.tensor(starts, device=store.device)[:, None] + torch.arange(T, device=store.device)  # [B, T]
+    rows, columns = index
     store[rows, :, columns] = new.transpose(1, 2)  # indexed view is [B, T, KV, hd]
 
 
