@@ -7,7 +7,7 @@ text is final, so a streamer can print it? `RowState` answers both, so the loops
 only move tensors around.
 
 Text shown while streaming must never be taken back, so two things are held back:
-an incomplete UTF-8 character at the end (see `minillm.streaming`) and any tail
+an incomplete UTF-8 character at the end (see `minillm.detokenize`) and any tail
 that could still grow into a stop string (the stop string itself is never shown).
 """
 
