@@ -3,7 +3,7 @@
 The package is layered; a module imports only from its own layer or below:
 
     front ends   cli, __main__, streaming, bench, benchmarks/, report
-    strategies   infer (generate), speculative, beam
+    strategies   infer (generate), speculative, lookahead, beam
     session      session (DecodeSession), generation (events, outputs, prompts), batching
     decoding     settings, sampling, stopping, detokenize
     model        model, attention, kv_cache, onednn, loading, tiny, precision

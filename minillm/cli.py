@@ -85,13 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subtract X per occurrence among the generated tokens, in [-2, 2] (0: off)")
     s.add_argument("--seed", type=int, metavar="N", help="random seed: the same seed gives the same text")
 
-    d = p.add_argument_group("speculative decoding (lesson 08; one prompt, same output, faster)")
-    d.add_argument("--speculative", choices=("model", "prompt-lookup"),
-                   help="draft tokens with a smaller model or by copying from the context, verify them in one forward")
+    d = p.add_argument_group("speculative decoding (lessons 08 and 11; one prompt, same output, faster)")
+    d.add_argument("--speculative", choices=("model", "prompt-lookup", "lookahead"),
+                   help="draft tokens with a smaller model, by copying from the context, or as a tree of the "
+                        "context's frequent continuations (lookahead); verify them in one forward")
     d.add_argument("--draft-model", metavar="NAME_OR_PATH",
                    help="draft for --speculative model: a model sharing the target's tokenizer, or layers:N (the "
                         "target's first N blocks), or dtype:bfloat16 (the target's weights in bfloat16)")
-    d.add_argument("--num-draft-tokens", type=int, metavar="K", help="tokens drafted per round (default 4)")
+    d.add_argument("--num-draft-tokens", type=int, metavar="K",
+                   help="tokens drafted per round with model or prompt-lookup (default 4)")
+    d.add_argument("--decoding-length", type=int, metavar="N",
+                   help="lookahead: the most draft tokens (tree nodes) one forward verifies; the budget adapts "
+                        "below it, shrinking where drafts fail (default 16)")
+    d.add_argument("--branch-length", type=int, metavar="N",
+                   help="lookahead: the most tokens one branch of the draft tree holds (default 8)")
 
     b = p.add_argument_group("beam search (default: off)")
     b.add_argument("--num-beams", type=int, default=1, metavar="N",
@@ -158,14 +165,27 @@ def beam_options(args, config: SamplingConfig) -> dict | None:
 
 def check_flag_combinations(args) -> None:
     """Flags that only mean something with another flag are refused without it, never ignored."""
+    from .lookahead import check_lookahead_lengths
     from .speculative import check_num_draft_tokens
 
+    lookahead_flags = (("--decoding-length", args.decoding_length), ("--branch-length", args.branch_length))
     if not args.speculative:
-        for flag, value in (("--draft-model", args.draft_model), ("--num-draft-tokens", args.num_draft_tokens)):
+        for flag, value in (("--draft-model", args.draft_model), ("--num-draft-tokens", args.num_draft_tokens),
+                            *lookahead_flags):
             if value is not None:
                 raise ValueError(f"{flag} applies to speculative decoding only: add --speculative")
-    elif args.num_draft_tokens is not None:
-        check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
+    elif args.speculative == "lookahead":
+        if args.num_draft_tokens is not None:
+            raise ValueError("--num-draft-tokens is for model and prompt-lookup drafts: lookahead's budget is "
+                             "--decoding-length")
+        check_lookahead_lengths(1 if args.decoding_length is None else args.decoding_length,
+                                1 if args.branch_length is None else args.branch_length, as_flags=True)
+    else:
+        for flag, value in lookahead_flags:
+            if value is not None:
+                raise ValueError(f"{flag} applies to --speculative lookahead only")
+        if args.num_draft_tokens is not None:
+            check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
     if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 
@@ -247,11 +267,17 @@ def run(args) -> int:
 
         out = beam_search(model, texts, config, tokenizer=tokenizer, cache=args.cache, **beam)
     elif args.speculative:
+        from .lookahead import Lookahead
         from .speculative import make_drafter, speculative_generate
 
-        drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
-        out = speculative_generate(model, texts, drafter, config, num_draft_tokens=args.num_draft_tokens or 4,
-                                   tokenizer=tokenizer, cache=args.cache, streamer=PrintStreamer() if stream else None)
+        if args.speculative == "lookahead":
+            drafter = Lookahead(args.decoding_length or 16, args.branch_length or 8)
+            budget = {"num_draft_tokens": drafter.decoding_length, "adaptive": True}
+        else:
+            drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
+            budget = {"num_draft_tokens": args.num_draft_tokens or 4}
+        out = speculative_generate(model, texts, drafter, config, tokenizer=tokenizer, cache=args.cache,
+                                   streamer=PrintStreamer() if stream else None, **budget)
     else:
         out = generate_in_batches(model, texts, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
                                   streamer=PrintStreamer() if stream else None)
@@ -274,10 +300,11 @@ def run(args) -> int:
               f"finish: {', '.join(r.finish_reason for r in out.rows)}]", file=sys.stderr)
         if "acceptance_rate" in s.extra:
             x = s.extra
-            rate, per_forward = x["acceptance_rate"], x["tokens_per_target_forward"]
+            rate, per_forward, fed = x["acceptance_rate"], x["tokens_per_target_forward"], x["tokens_fed_per_forward"]
             print(f"[speculative: {x['accepted']}/{x['drafted']} drafted tokens accepted "
                   f"({'-' if rate is None else f'{rate:.0%}'}), "
-                  f"{'-' if per_forward is None else f'{per_forward:.2f}'} tokens per target forward]", file=sys.stderr)
+                  f"{'-' if per_forward is None else f'{per_forward:.2f}'} tokens per target forward, "
+                  f"{'-' if fed is None else f'{fed:.1f}'} fed per forward]", file=sys.stderr)
     return 0
 
 

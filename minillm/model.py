@@ -124,11 +124,17 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 class RopeTable:
-    """cos and sin for every position 0..block_size-1, computed once per dtype and device.
+    """cos and sin for positions 0..n-1, computed once per dtype and device.
 
     Decoding one token would otherwise recompute ~10 small tensors per step; a
     lookup is one gather. `sin` has the rotate-half sign folded in (its first half
     negated), so rotating needs no negation: x * cos + swap_halves(x) * sin.
+
+    The table starts at `block_size` positions and grows on demand (doubling) when a
+    larger position is asked for: RoPE itself has no last position, and keeping a
+    cache while sliding past the context (lesson 06) numbers tokens beyond
+    block_size. Each position's angles are computed independently, so growing
+    changes no entry that was already there.
     """
 
     def __init__(self, config: ModelConfig):
@@ -138,9 +144,12 @@ class RopeTable:
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
         key = (dtype, positions.device)
-        if key not in self.tables:
-            cos, sin = rope_cos_sin(torch.arange(self.block_size, device=positions.device), self.head_dim,
-                                    self.theta, dtype)
+        table = self.tables.get(key)
+        size = len(table[0]) if table is not None else 0
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if table is None or needed > size:
+            size = max(self.block_size, needed, 2 * size)
+            cos, sin = rope_cos_sin(torch.arange(size, device=positions.device), self.head_dim, self.theta, dtype)
             half = self.head_dim // 2
             self.tables[key] = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
         cos, sin = self.tables[key]

@@ -51,7 +51,7 @@ from .generation import (GenerationEvent, GenerationOutput, GenerationStats, Row
                          encode_prompts)
 from .loading import load_model, resolve_dtype
 from .sampling import SamplingConfig, TokenHistory, choose_next, process_logits, row_generators, sample_from_probs
-from .session import DecodeSession
+from .session import DecodeSession, Tree
 from .stopping import RowState
 
 DRAFTERS = ("model", "prompt-lookup")
@@ -111,8 +111,16 @@ def predicted_speedup(acceptance_rate: float, k: int, cost_ratio: float, verify_
 
 @dataclass
 class Draft:
+    """What a drafter proposes: a chain of tokens, or (with `parents`) a tree of them.
+
+    parents[i] is the index of token i's parent in [last sequence token, *tokens]
+    (0: the last sequence token, the tree's root); None means a chain (parents
+    0, 1, 2, ...). A tree comes from a deterministic drafter (lesson 11's lookahead).
+    """
+
     tokens: list[int]
     q: torch.Tensor | None = None  # [len(tokens), V] the drafter's probabilities; None: deterministic (one-hot)
+    parents: list[int] | None = None
 
 
 class Drafter(Protocol):
@@ -125,6 +133,9 @@ class Drafter(Protocol):
 
     def rollback(self, sequence: list[int]) -> None:
         """Forget whatever was drafted beyond `sequence` (the target has decided)."""
+
+    # Optional: `end(sequence, prompt_length)`, called once the sequence is finished, lets a drafter
+    # that learns from outputs (lesson 11's lookahead) keep it.
 
 
 class PromptLookup:
@@ -280,6 +291,13 @@ def make_drafter(kind: str, target, draft_model: str | None = None, dtype="float
     raise ValueError(f"--speculative {kind!r} is invalid: use one of {', '.join(DRAFTERS)}")
 
 
+def independent_stream(generator: torch.Generator) -> torch.Generator:
+    """A new generator seeded from a copy of `generator`'s state, leaving `generator` untouched."""
+    copy_ = torch.Generator(generator.device)
+    copy_.set_state(generator.get_state())
+    return torch.Generator(generator.device).manual_seed(int(torch.randint(0, 2**62, (), generator=copy_)))
+
+
 def check_num_draft_tokens(k, name: str = "num_draft_tokens") -> None:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"{name}={k!r} is invalid: must be an integer >= 1 (tokens drafted per round)")
@@ -290,9 +308,10 @@ def check_num_draft_tokens(k, name: str = "num_draft_tokens") -> None:
 
 @dataclass
 class Round:
-    drafted: list[int]  # what the drafter proposed
-    accepted: int  # how many of them the target kept (a prefix)
+    drafted: list[int]  # what the drafter proposed (a tree's nodes, root excluded)
+    accepted: int  # how many of them the target kept (a prefix, or a path from the tree's root)
     emitted: list[int]  # the tokens added: the accepted prefix and the target's own token (cut at a stop)
+    depth: int = 0  # the draft's longest chain
 
 
 class SpeculativeDecoder:
@@ -305,7 +324,10 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, model, drafter: Drafter, prompt_ids: list[int], config: SamplingConfig, *,
-                 num_draft_tokens: int = 4, tokenizer=None, cache: str = "static"):
+                 num_draft_tokens: int = 4, tokenizer=None, cache: str = "static", adaptive: bool = False):
+        """num_draft_tokens: the most tokens one round drafts (a tree's nodes); adaptive: start there,
+        halve after a round that accepted nothing, double after one that accepted all (so text
+        where drafts fail costs little)."""
         check_num_draft_tokens(num_draft_tokens)
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: speculative decoding rolls back a KV cache; use 'static' or 'dynamic'")
@@ -325,10 +347,14 @@ class SpeculativeDecoder:
         self.history = TokenHistory.from_prompts([self.sequence], model.config.vocab_size, model.device)
         self.generators = row_generators(config, 1)
         self.target_generator = self.generators[0] if self.generators else None
-        # The drafter's random stream must be independent of the acceptance test's.
-        self.draft_generator = None if self.target_generator is None else torch.Generator().manual_seed(
-            int(torch.randint(0, 2**62, (), generator=self.target_generator)))
-        self.drafted = self.accepted = self.verify_forwards = 0
+        # The drafter's random stream must be independent of the target's, and seeding it must not
+        # consume the target's: a tree round then draws exactly what plain sampling draws.
+        self.draft_generator = None if self.target_generator is None else independent_stream(self.target_generator)
+        self.drafted = self.accepted = self.verify_forwards = self.fed = 0
+        self.draft_seconds = 0.0
+        self.adaptive, self.budget = adaptive, num_draft_tokens
+        self.reached: dict[int, int] = {}  # depth -> rounds whose draft reached it
+        self.kept: dict[int, int] = {}  # depth -> rounds that accepted a token at it
 
     @property
     def finished(self) -> bool:
@@ -353,16 +379,29 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def round(self) -> Round:
-        """Draft up to k tokens, verify them in one target forward, keep the agreed prefix + one."""
+        """Draft up to `budget` tokens, verify them in one target forward, keep the agreed prefix + one."""
         remaining = self.config.max_new_tokens - len(self.state.token_ids)
-        n = min(self.k, remaining - 1)  # a round emits at most n + 1 tokens
+        n = min(self.budget, remaining - 1)  # a round emits at most n + 1 tokens
+        start = time.perf_counter()
         draft = (self.drafter.propose(self.sequence, n, self.config, self.history, self.draft_generator)
                  if n > 0 else Draft([]))
+        self.draft_seconds += time.perf_counter() - start
+        if draft.parents is not None:
+            result = self._verify_tree(draft)
+        else:
+            result = self._verify_chain(draft, n)
+        self.verify_forwards += 1
+        self.drafted += len(result.drafted)
+        self.accepted += result.accepted
+        self._count_depths(result)
+        self.drafter.rollback(self.sequence)
+        return result
+
+    def _verify_chain(self, draft: Draft, n: int) -> Round:
+        """k drafted tokens in a row: accept while the target agrees (lesson 08's rule), then crop."""
         drafted = draft.tokens[:n]
         logits = self.session.extend([[self.sequence[-1], *drafted]])[0]  # [n + 1, V]: p after each verified token
-        self.verify_forwards += 1
-        self.drafted += len(drafted)
-
+        self.fed += len(drafted) + 1
         emitted, accepted = [], 0
         for i in range(len(drafted) + 1):
             processed = process_logits(logits[i:i + 1], self.config, self.history)[0]  # history = tokens so far
@@ -376,10 +415,52 @@ class SpeculativeDecoder:
             emitted.append(token)
             if self.finished or not ok:
                 break
-        self.accepted += accepted
         self.session.rollback([len(self.sequence) - 1])  # drop the rejected drafts' keys and values
-        self.drafter.rollback(self.sequence)
-        return Round(drafted, accepted, emitted)
+        return Round(drafted, accepted, emitted, depth=len(drafted))
+
+    def _verify_tree(self, draft: Draft) -> Round:
+        """A token tree: one forward scores every node; from the root, the target chooses its own
+        token at each node (argmax, or a draw from its processed distribution, exactly as plain
+        decoding) and we move to the child holding that token, until no child does.
+
+        Each emitted token is the target's own choice given the tokens before it, so the output
+        is exactly plain decoding's; the drafts only decide how many choices one forward makes.
+        The cache then keeps the prefix and the accepted path, nothing else.
+        """
+        parents = [-1, *draft.parents]
+        tree = Tree.from_parents(parents)
+        before = len(self.sequence) - 1  # tokens the session holds; the root is the sequence's last token
+        logits = self.session.extend([[self.sequence[-1], *draft.tokens]], tree)[0]  # [T, V]: p at each node
+        self.fed += len(parents)
+        children: dict[int, dict[int, int]] = {}
+        for node, parent in enumerate(parents[1:], start=1):
+            children.setdefault(parent, {}).setdefault(draft.tokens[node - 1], node)
+        path, emitted, node = [0], [], 0
+        while True:
+            processed = process_logits(logits[node:node + 1], self.config, self.history)
+            token = int(choose_next(processed, self.config, self.generators))
+            self._emit(token)
+            emitted.append(token)
+            node = children.get(node, {}).get(token)
+            if node is None or self.finished:
+                break
+            path.append(node)
+        keep = path[: len(self.sequence) - 1 - before]  # the session holds every token but the newest
+        self.session.keep_positions(0, list(range(before)) + [before + i for i in keep])
+        return Round(draft.tokens, len(emitted) - 1 if node is None else len(emitted), emitted,
+                     depth=int(tree.depth.max()))
+
+    def _count_depths(self, result: Round) -> None:
+        """Acceptance per depth; and the adaptive budget: double after a round that accepted its whole
+        depth, halve after one that accepted nothing."""
+        for d in range(1, result.depth + 1):
+            self.reached[d] = self.reached.get(d, 0) + 1
+            self.kept[d] = self.kept.get(d, 0) + (result.accepted >= d)
+        if self.adaptive and result.depth:
+            if result.accepted >= result.depth:
+                self.budget = min(self.k, 2 * self.budget)
+            elif result.accepted == 0:
+                self.budget = max(1, self.budget // 2)
 
     def stats_extra(self) -> dict:
         emitted_in_rounds = len(self.state.token_ids) - 1
@@ -388,6 +469,9 @@ class SpeculativeDecoder:
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "verify_forwards": self.verify_forwards,
             "tokens_per_target_forward": emitted_in_rounds / self.verify_forwards if self.verify_forwards else None,
+            "tokens_fed_per_forward": self.fed / self.verify_forwards if self.verify_forwards else None,
+            "draft_seconds": self.draft_seconds,
+            "acceptance_by_depth": {d: self.kept[d] / self.reached[d] for d in sorted(self.reached)},
         }
 
 
@@ -395,14 +479,15 @@ class SpeculativeGeneration:
     """One speculative run as a stream of events (one per round); `output` once it is done."""
 
     def __init__(self, model, prompt, drafter: Drafter, config=None, *, num_draft_tokens: int = 4,
-                 tokenizer=None, cache: str = "static", **config_overrides):
+                 tokenizer=None, cache: str = "static", adaptive: bool = False, **config_overrides):
         config = (config or SamplingConfig()).with_(**config_overrides)
         rows = encode_prompts(prompt, tokenizer)
         if len(rows) != 1:
             raise ValueError(f"speculative decoding takes one prompt at a time (got {len(rows)}): call it per prompt")
         check_prompts(rows, model.config.block_size, model.config.vocab_size)
         self.decoder = SpeculativeDecoder(model, drafter, rows[0], config, num_draft_tokens=num_draft_tokens,
-                                          tokenizer=tokenizer, cache=cache)
+                                          tokenizer=tokenizer, cache=cache, adaptive=adaptive)
+        self.prompt_length = len(rows[0])
         self.stats = GenerationStats(prompt_tokens=len(rows[0]))
         self.output: GenerationOutput | None = None
 
@@ -421,6 +506,8 @@ class SpeculativeGeneration:
             stats.decode_tokens = len(state.token_ids) - 1
             stats.forward_passes = 1 + decoder.verify_forwards
             stats.extra.update(decoder.stats_extra())
+            if hasattr(decoder.drafter, "end"):
+                decoder.drafter.end(decoder.sequence, self.prompt_length)
         else:
             yield GenerationEvent(0, [], "", state.finish_reason)
         self.output = GenerationOutput([RowOutput.from_state(state)], stats)
@@ -428,7 +515,7 @@ class SpeculativeGeneration:
 
 def speculative_generate(model, prompt, drafter: Drafter, config: SamplingConfig | None = None, *,
                          num_draft_tokens: int = 4, tokenizer=None, cache: str = "static", streamer=None,
-                         stream: bool = False, **config_overrides):
+                         stream: bool = False, adaptive: bool = False, **config_overrides):
     """`minillm.infer.generate` for one prompt, sped up by a drafter; same outputs, same stats,
     plus stats.extra: drafted, accepted, acceptance_rate, tokens_per_target_forward.
 
@@ -437,7 +524,7 @@ def speculative_generate(model, prompt, drafter: Drafter, config: SamplingConfig
     With stream=True returns the SpeculativeGeneration to iterate over (one event per round).
     """
     run = SpeculativeGeneration(model, prompt, drafter, config, num_draft_tokens=num_draft_tokens,
-                                tokenizer=tokenizer, cache=cache, **config_overrides)
+                                tokenizer=tokenizer, cache=cache, adaptive=adaptive, **config_overrides)
     return run if stream else drain(run, streamer)
 
 

@@ -213,3 +213,44 @@ def test_fast_linear_keeps_gradients_when_training():
     layer = Linear(8, 4)
     layer(torch.randn(2, 8)).sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_rope_table_grows_past_block_size_with_exact_angles():
+    """Keeping a cache while sliding past the context numbers tokens beyond block_size: the table must grow,
+    give the exact rotation there, and leave every position it already held unchanged."""
+    import math
+
+    from minillm.model import ModelConfig, RopeTable
+
+    config = ModelConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, d_model=16, positions="rope",
+                         norm="rmsnorm", mlp="swiglu")
+    table = RopeTable(config)
+    inside = torch.arange(16)[None]
+    cos_before, sin_before = table(inside, torch.float32)
+    far = torch.tensor([[15, 16, 40, 1000]])
+    cos, sin = table(far, torch.float32)  # [1, 4, 1, head_dim]
+    hd, half = config.head_size, config.head_size // 2
+    for i, p in enumerate(far[0].tolist()):
+        angles = [p * config.rope_theta ** (-2 * j / hd) for j in range(half)] * 2  # float64 reference
+        expected_sin = [-math.sin(a) for a in angles[:half]] + [math.sin(a) for a in angles[half:]]  # sign folded
+        torch.testing.assert_close(cos[0, i, 0].double(), torch.tensor([math.cos(a) for a in angles], dtype=torch.float64),
+                                   atol=2e-4, rtol=0)  # float32 angles of ~1000 rad: ~1e-4 absolute
+        torch.testing.assert_close(sin[0, i, 0].double(), torch.tensor(expected_sin, dtype=torch.float64),
+                                   atol=2e-4, rtol=0)
+    cos_after, sin_after = table(inside, torch.float32)
+    assert torch.equal(cos_after, cos_before) and torch.equal(sin_after, sin_before)
+    assert len(table.tables[(torch.float32, inside.device)][0]) >= 1001
+
+
+def test_model_runs_past_block_size_with_rope_only():
+    """A RoPE model accepts positions past block_size (relative offsets are what it sees); GPT-2 cannot."""
+    _, model = tiny_pair("llama")
+    B = model.config.block_size
+    tokens = torch.randint(0, model.config.vocab_size, (1, 10))
+    with torch.inference_mode():
+        at_start = model(tokens, causal_positions(1, 10))
+        shifted = model(tokens, causal_positions(1, 10) + 3 * B)  # the same window, numbered past the context
+    torch.testing.assert_close(shifted, at_start, atol=1e-4, rtol=1e-4)  # RoPE scores depend on offsets only
+    _, gpt2 = tiny_pair("gpt2")
+    with pytest.raises(IndexError):
+        gpt2(tokens, causal_positions(1, 10) + gpt2.config.block_size)

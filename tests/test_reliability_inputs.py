@@ -53,6 +53,11 @@ def test_negative_numbers_reach_the_validation(capsys, value):
     (["--num-draft-tokens", "3"], "--num-draft-tokens applies to speculative decoding only"),
     (["--system", "Be brief", "--no-chat"], "--system goes into the chat template"),
     (["--speculative", "prompt-lookup", "--num-draft-tokens", "0"], "--num-draft-tokens=0 is invalid"),
+    (["--decoding-length", "8"], "--decoding-length applies to speculative decoding only"),
+    (["--speculative", "prompt-lookup", "--branch-length", "4"], "--branch-length applies to --speculative lookahead"),
+    (["--speculative", "lookahead", "--decoding-length", "0"], "--decoding-length 0 is invalid"),
+    (["--speculative", "lookahead", "--branch-length", "-1"], "--branch-length -1 is invalid"),
+    (["--speculative", "lookahead", "--num-draft-tokens", "4"], "lookahead's budget is --decoding-length"),
 ])
 def test_flags_that_need_another_flag_are_refused_not_ignored(capsys, flags, named):
     assert named in one_error_line(capsys, ["--prompt", "hi", *flags])

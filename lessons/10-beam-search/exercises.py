@@ -1,0 +1,60 @@
+"""Lesson 10 exercises: write your answers here; `pytest lessons/10-beam-search` checks them.
+
+Each function starts as a stub; its check is skipped until you replace the
+`raise NotImplementedError`. Worked answers: solutions/10_beam_search.py
+(try first: `pytest lessons/10-beam-search --solutions` runs the checks on them).
+"""
+
+from __future__ import annotations
+
+import math  # noqa: F401
+
+import torch  # noqa: F401
+
+from minillm.session import DecodeSession  # noqa: F401  (exercise 2)
+
+
+def sequence_score(model, prompt_ids: list[int], token_ids: list[int], length_penalty: float) -> float:
+    """Exercise 1: Score a hypothesis like transformers
+
+    transformers' `sequences_scores` for a finished hypothesis: the summed log-probabilities of the
+    new tokens `token_ids` (EOS included when it ended on EOS) after `prompt_ids`, divided by
+    n ** length_penalty, n = len(token_ids). Compute it with ONE forward of the model over prompt +
+    hypothesis (`model(tokens, positions)`, then `log_softmax`), not with minillm.beam.
+
+    The check compares with transformers' scores for its own beams on tiny models.
+    """
+    raise NotImplementedError
+
+
+def beam_search_fixed_length(model, prompt_ids: list[int], num_beams: int,
+                             max_new_tokens: int) -> list[tuple[list[int], float]]:
+    """Exercise 2: Beam search on the session
+
+    Beam search without EOS and without length normalisation: every hypothesis has exactly
+    `max_new_tokens` new tokens and is scored by its summed log-probability. Use a
+    `minillm.session.DecodeSession`: `prefill([prompt_ids])` once, `select` to copy the prompt to
+    the beams, and per step: log_softmax, add each beam's score, keep the best `num_beams` of the
+    num_beams * vocab extensions (at the first step all beams are the same prompt: expand one),
+    `select` the surviving beams' rows, `extend` with their new tokens.
+
+    Returns num_beams (new token ids, summed log-prob) pairs, best first. The check compares with
+    `minillm.beam.beam_search(..., eos_token_id=(), length_penalty=0)` and transformers.
+    """
+    raise NotImplementedError
+
+
+def diverse_beam_search(tree: dict[str, dict[str, float]], num_groups: int, diversity_penalty: float,
+                        length: int) -> list[str]:
+    """Exercise 3: Diverse beam search on a tree
+
+    tree: prefix (a string of one-letter tokens) -> {next token: probability}, like the notebook's
+    TREE. `num_groups` groups of one beam each extend their own path for `length` steps. At each
+    step the groups choose in order 0, 1, ...: group g gives token v the score
+        log p(v | group g's path) - diversity_penalty * (how many groups before g chose v at this step)
+    and appends the best one (ties: the token listed first in the distribution).
+
+    Returns each group's path (a string of `length` tokens), group 0 first. With penalty 0 every
+    group is greedy; with a large one the groups take different tokens at every step.
+    """
+    raise NotImplementedError

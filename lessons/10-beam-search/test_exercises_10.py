@@ -1,0 +1,115 @@
+"""Checks for lesson 10's exercises: each compares your answer with a reference computed here."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from minillm.batching import pad_left
+from minillm.beam import beam_search
+from minillm.infer import generate
+from minillm.tiny import tiny_pair
+
+PROMPT = [1, 2, 3, 4, 5]
+TREE = {  # the notebook's hand-made tree
+    "": {"a": .50, "b": .30, "c": .20},
+    "a": {"a": .40, "b": .35, "c": .25}, "b": {"a": .90, "b": .06, "c": .04}, "c": {"a": .05, "b": .15, "c": .80},
+    "aa": {"a": .45, "b": .30, "c": .25}, "ab": {"a": .50, "b": .30, "c": .20}, "ac": {"a": .34, "b": .33, "c": .33},
+    "ba": {"a": .40, "b": .32, "c": .28}, "bb": {"a": .50, "b": .30, "c": .20}, "bc": {"a": .50, "b": .30, "c": .20},
+    "ca": {"a": .50, "b": .30, "c": .20}, "cb": {"a": .60, "b": .30, "c": .10}, "cc": {"a": .03, "b": .02, "c": .95},
+}
+
+
+def hf_beams(hf_model, prompt, *, num_beams, length_penalty, max_new_tokens, eos):
+    tokens, valid, _ = pad_left([prompt])
+    out = hf_model.generate(tokens, attention_mask=valid.long(), num_beams=num_beams, do_sample=False,
+                            length_penalty=length_penalty, num_return_sequences=num_beams,
+                            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0 if eos is None else eos,
+                            return_dict_in_generate=True, output_scores=True)
+    rows = []
+    for sequence in out.sequences[:, tokens.shape[1]:].tolist():
+        rows.append(sequence[:sequence.index(eos) + 1] if eos is not None and eos in sequence else sequence)
+    return rows, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_exercise_1_score_a_hypothesis_like_transformers(answers, kind):
+    hf_model, model = tiny_pair(kind)
+    eos = generate(model, PROMPT, max_new_tokens=8).token_ids[0][3]  # a token the model really produces
+    ends = set()
+    for length_penalty in (-1.0, 0.0, 1.0, 2.0):
+        rows, scores = hf_beams(hf_model, PROMPT, num_beams=4, length_penalty=length_penalty, max_new_tokens=10,
+                                eos=eos)
+        for row, want in zip(rows, scores):
+            got = answers.sequence_score(model, PROMPT, row, length_penalty)
+            assert got == pytest.approx(want, abs=1e-4), (length_penalty, row)
+            ends.add(row[-1] == eos)
+    assert ends == {True, False}, "hypotheses ending by EOS and by length were both checked"
+
+
+@pytest.mark.parametrize("kind,num_beams,new_tokens", [("llama", 3, 6), ("gpt2", 5, 5), ("llama", 2, 1)])
+def test_exercise_2_beam_search_on_the_session(answers, kind, num_beams, new_tokens):
+    hf_model, model = tiny_pair(kind)
+    got = answers.beam_search_fixed_length(model, PROMPT, num_beams, new_tokens)
+    package = beam_search(model, PROMPT, num_beams=num_beams, num_return_sequences=num_beams,
+                          max_new_tokens=new_tokens, eos_token_id=(), length_penalty=0.0)
+    assert [list(ids) for ids, _ in got] == package.token_ids
+    assert [score for _, score in got] == pytest.approx(package.sequences_scores, abs=1e-4)
+    if num_beams > 1 or new_tokens > 1:
+        rows, scores = hf_beams(hf_model, PROMPT, num_beams=num_beams, length_penalty=0.0,
+                                max_new_tokens=new_tokens, eos=None)
+        assert [list(ids) for ids, _ in got] == rows
+        assert [score for _, score in got] == pytest.approx(scores, abs=1e-4)
+
+
+def reference_diverse(tree, num_groups, penalty, length):
+    """Hamming-diversity group search with one beam per group, written as a table of scores."""
+    paths = [""] * num_groups
+    for _ in range(length):
+        counts = {}
+        for g in range(num_groups):
+            options = list(tree[paths[g]].items())
+            scores = [math.log(p) - penalty * counts.get(v, 0) for v, p in options]
+            best = scores.index(max(scores))  # the first of equal scores
+            token = options[best][0]
+            counts[token] = counts.get(token, 0) + 1
+            paths[g] += token
+    return paths
+
+
+def random_tree(rng, vocab="abcd", depth=3):
+    tree = {}
+    for d in range(depth):
+        for prefix in itertools.product(vocab, repeat=d):
+            weights = [rng.random() + 0.05 for _ in vocab]
+            tree["".join(prefix)] = {v: w / sum(weights) for v, w in zip(vocab, weights)}
+    return tree
+
+
+def test_exercise_3_diverse_beam_search_on_a_tree(answers):
+    greedy = "aaa"
+    assert answers.diverse_beam_search(TREE, 3, 0.0, 3) == [greedy] * 3  # no penalty: every group is greedy
+    for penalty in (0.3, 1.0, 5.0):
+        assert answers.diverse_beam_search(TREE, 3, penalty, 3) == reference_diverse(TREE, 3, penalty, 3)
+    rng = random.Random(0)
+    for _ in range(20):
+        tree = random_tree(rng)
+        groups, penalty = rng.choice([2, 3, 4]), rng.choice([0.0, 0.2, 0.7, 2.0])
+        assert answers.diverse_beam_search(tree, groups, penalty, 3) == reference_diverse(tree, groups, penalty, 3)
+
+
+def test_exercise_3_large_penalty_takes_different_tokens(answers):
+    paths = answers.diverse_beam_search(TREE, 3, 100.0, 3)
+    for step in range(3):  # all three tokens taken at every step
+        assert sorted(p[step] for p in paths) == ["a", "b", "c"]
+    # Group 0 is greedy; group 1 takes, step by step, the most probable token that group 0 did not take.
+    assert paths[0] == "aaa"
+    second = ""
+    for step in range(3):
+        options = {v: p for v, p in TREE[second].items() if v != paths[0][step]}
+        second += max(options, key=options.get)
+    assert paths[1] == second

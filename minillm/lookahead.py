@@ -1,0 +1,272 @@
+"""Lookahead decoding (lesson 11): draft a tree of continuations from an n-gram trie, verify it in one forward.
+
+Prompt lookup (lesson 08) copies one continuation of the context's last n-gram. Text
+that repeats usually offers several: the passage being edited continues one way, an
+earlier answer of the same kind another. Lookahead (Zhao et al., KDD 2024, Ant Group's
+PainlessInferenceAcceleration) keeps every n-gram it has seen in a trie with counts
+and drafts the most frequent continuations of the context's suffix *as a tree*: the
+branches share their common prefixes, and one forward with a tree attention mask
+(each node sees the cached prefix, its ancestors and itself) scores all of them.
+
+    context ... the cat          trie under "the cat":  sat -> on -> the
+                                                          is -> on
+    draft tree (root = "cat"):   cat -> sat -> on -> the
+                                     -> is -> on
+    flattened: [cat, sat, is, on, on, the]   parents [-1, 0, 0, 1, 2, 3]
+
+Two tries feed the drafts: the request's own *context* (prompt and accepted output,
+rebuilt per request) and a *memory* of earlier outputs kept across requests, counted
+and pruned to a node budget; each gets a share of the draft. The two knobs of the
+original: `branch_length` (how deep a branch goes) and `decoding_length` (how many
+draft tokens one forward may verify in total).
+
+`SpeculativeDecoder` (lesson 08) verifies the tree: it follows, from the root, the
+child whose token the target itself chooses at each node, so the output is exactly
+the target's (greedy: its argmax; sampling: its draw), and keeps the accepted path in
+the cache with the session's `keep_positions`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+
+from .speculative import Draft
+
+
+class TrieNode:
+    __slots__ = ("children", "count")
+
+    def __init__(self):
+        self.children: dict[int, TrieNode] = {}
+        self.count = 0.0  # how often the n-gram spelled by the path to this node occurred
+
+
+class NGramTrie:
+    """Every n-gram (n <= depth) of the texts fed to it, with its count, as a trie.
+
+    The path from the root to a node spells an n-gram; `node.count` is how many times
+    it occurred. Texts arrive whole (`add_text`) or token by token (`extend`, then
+    `end_text`): each new token adds the n-grams that end at it, so a text fed in
+    pieces counts exactly what it counts fed at once. With a `node_budget`, `prune`
+    keeps the most frequent n-grams: what recurs survives, one-offs go.
+    """
+
+    def __init__(self, depth: int, node_budget: int | None = None):
+        if depth < 2:
+            raise ValueError(f"trie depth={depth} is invalid: n-grams need at least 2 tokens to draft from")
+        self.depth, self.node_budget = depth, node_budget
+        self.root = TrieNode()
+        self.nodes = 0
+        self.frontier: list[TrieNode] = []  # nodes of the current text's suffixes, lengths 1 .. depth - 1
+
+    def extend(self, tokens) -> None:
+        """Continue the current text with `tokens`, counting each n-gram that ends at one of them."""
+        for token in tokens:
+            grown = []
+            for node in [self.root, *self.frontier]:
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = TrieNode()
+                    self.nodes += 1
+                child.count += 1
+                grown.append(child)
+            self.frontier = grown[: self.depth - 1]
+
+    def end_text(self) -> None:
+        """The current text is over: the next token starts a new one (no n-gram spans two texts)."""
+        self.frontier = []
+
+    def add_text(self, tokens) -> None:
+        self.end_text()
+        self.extend(tokens)
+        self.end_text()
+
+    def prune(self) -> None:
+        """Keep the `node_budget` most frequent n-grams (shorter first among equals), drop the rest.
+
+        A child never occurs more often than its parent and is longer, so the kept set
+        is closed under taking prefixes: pruning leaves a trie.
+        """
+        self.end_text()
+        if self.node_budget is None or self.nodes <= self.node_budget:
+            return
+        ranked = sorted(self.walk(), key=lambda item: (-item[1].count, len(item[0]), item[0]))
+        keep = {path for path, _ in ranked[: self.node_budget]}
+        for path, node in ranked[self.node_budget:]:
+            if path[:-1] in keep or len(path) == 1:
+                del (self.find(path[:-1]) or self.root).children[path[-1]]
+        self.nodes = len(keep)
+
+    def walk(self):
+        """(path, node) for every node, parents before children."""
+        stack = [((), self.root)]
+        while stack:
+            path, node = stack.pop()
+            for token, child in node.children.items():
+                yield path + (token,), child
+                stack.append((path + (token,), child))
+
+    def find(self, ngram) -> TrieNode | None:
+        node = self.root
+        for token in ngram:
+            node = node.children.get(token)
+            if node is None:
+                return None
+        return node
+
+    def continuations(self, context, max_nodes: int, max_depth: int, max_match: int) -> list[tuple[tuple, float]]:
+        """The likeliest continuations of the context's longest matching suffix.
+
+        Tries suffixes of `max_match` tokens down to 1 and keeps the first that yields
+        `min(max_nodes, max_depth)` continuations (a long match is the more reliable
+        one), else the one that yields most. Returns (path, probability) pairs, a path
+        being the tokens after the context, best first; every path's parent path is
+        in the list too (a child is never likelier than its parent).
+        """
+        best: list = []
+        for size in range(min(max_match, len(context)), 0, -1):
+            node = self.find(context[len(context) - size:])
+            if node is None or not node.children:
+                continue
+            found = likeliest_paths(node, max_nodes, min(max_depth, self.depth - size))
+            if len(found) >= min(max_nodes, max_depth):
+                return found
+            if len(found) > len(best):
+                best = found
+        return best
+
+
+def likeliest_paths(node: TrieNode, max_nodes: int, max_depth: int) -> list[tuple[tuple, float]]:
+    """Best-first walk below `node`: the `max_nodes` paths of at most `max_depth` tokens with the
+    highest estimated probability, the product of count(child) / count(parent) along the path."""
+    tie = itertools.count()  # equal probabilities: the earlier-found path first
+    heap = [(-child.count / node.count, next(tie), (token,), child) for token, child in node.children.items()]
+    heapq.heapify(heap)
+    found = []
+    while heap and len(found) < max_nodes:
+        negative, _, path, child = heapq.heappop(heap)
+        found.append((path, -negative))
+        if len(path) < max_depth:
+            for token, grandchild in child.children.items():
+                heapq.heappush(heap, (negative * grandchild.count / child.count, next(tie), path + (token,), grandchild))
+    return found
+
+
+@dataclass
+class DraftTree:
+    """A flattened token tree: tokens[0] is the root (the last accepted token), parents[i] the index
+    of node i's parent (-1 for the root), parents before children (breadth first)."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    @classmethod
+    def from_paths(cls, root: int, paths) -> "DraftTree":
+        """Merge continuation paths (token tuples, each path's parent path included) into one tree."""
+        index = {(): 0}
+        tokens, parents = [root], [-1]
+        for path in sorted(set(paths), key=len):  # breadth first: a parent before its children
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]])
+        return cls(tokens, parents)
+
+    def children(self, node: int) -> dict[int, int]:
+        """token -> node index of each child of `node`."""
+        return {self.tokens[i]: i for i, parent in enumerate(self.parents) if parent == node}
+
+    @property
+    def depth(self) -> int:
+        depths = [0] * len(self.tokens)
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                depths[i] = depths[parent] + 1
+        return max(depths)
+
+
+def share_draft(context_paths, memory_paths, budget: int) -> list[tuple]:
+    """Up to `budget` draft nodes: half for the context's continuations, half for the memory's,
+    and what one side cannot fill goes to the other. A path both offer counts once. Each
+    side's paths are taken best first, so every chosen path's parent is chosen too."""
+    chosen: dict[tuple, None] = {}
+    half = (budget + 1) // 2
+    for path, _ in context_paths[:half]:
+        chosen.setdefault(path)
+    for path, _ in memory_paths:
+        if len(chosen) >= budget:
+            break
+        chosen.setdefault(path)
+    for path, _ in context_paths[half:]:
+        if len(chosen) >= budget:
+            break
+        chosen.setdefault(path)
+    return list(chosen)
+
+
+class Lookahead:
+    """The lookahead drafter: a context trie per request, a memory trie across requests.
+
+    `propose` feeds the tokens accepted since its last call into the context trie,
+    then drafts up to n nodes (the decoder's current budget, at most `decoding_length`)
+    from both tries' continuations of the sequence's suffix, `branch_length` deep at
+    most. `end` adds the finished output to the memory; `warm` adds texts of the kind
+    to come (the original builds its memory from a training split).
+    """
+
+    def __init__(self, decoding_length: int = 16, branch_length: int = 8, max_match: int = 3,
+                 memory_budget: int = 65536):
+        check_lookahead_lengths(decoding_length, branch_length)
+        self.decoding_length, self.branch_length, self.max_match = decoding_length, branch_length, max_match
+        self.memory = NGramTrie(max_match + branch_length, node_budget=memory_budget)
+        self.context = NGramTrie(max_match + branch_length)
+        self.fed = 0  # tokens of the current sequence in the context trie
+        self.retrieval_seconds = 0.0
+
+    @property
+    def max_draft(self) -> int:
+        return self.decoding_length
+
+    def warm(self, texts) -> None:
+        """Add token lists (earlier outputs of the same kind) to the memory."""
+        for tokens in texts:
+            self.memory.add_text(tokens)
+        self.memory.prune()
+
+    def begin(self, target, tokenizer, max_len):
+        self.context = NGramTrie(self.max_match + self.branch_length)
+        self.fed = 0
+        self.retrieval_seconds = 0.0
+
+    def propose(self, sequence, n, config, history, generator) -> Draft:
+        start = time.perf_counter()
+        self.context.extend(sequence[self.fed:])
+        self.fed = len(sequence)
+        budget = min(n, self.decoding_length)
+        found = [trie.continuations(sequence, budget, self.branch_length, self.max_match)
+                 for trie in (self.context, self.memory)]
+        tree = DraftTree.from_paths(sequence[-1], share_draft(*found, budget))
+        self.retrieval_seconds += time.perf_counter() - start
+        return Draft(tree.tokens[1:], parents=tree.parents[1:])
+
+    def rollback(self, sequence):
+        pass  # the context trie holds accepted tokens only
+
+    def end(self, sequence, prompt_length: int) -> None:
+        """The request is over: remember its output."""
+        self.memory.add_text(sequence[prompt_length:])
+        self.memory.prune()
+
+
+def check_lookahead_lengths(decoding_length, branch_length, as_flags: bool = False) -> None:
+    """Refuse a length below 1, named as the API (decoding_length=0) or the CLI (--decoding-length 0) spells it."""
+    for name, value, what in (("decoding_length", decoding_length, "draft tokens verified per forward"),
+                              ("branch_length", branch_length, "tokens in one branch")):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            setting = f"--{name.replace('_', '-')} {value}" if as_flags else f"{name}={value!r}"
+            raise ValueError(f"{setting} is invalid: must be an integer >= 1 ({what})")
+
+
+__all__ = ["Lookahead", "NGramTrie", "TrieNode", "likeliest_paths", "DraftTree", "share_draft", "check_lookahead_lengths"]

@@ -1,0 +1,142 @@
+"""The course's shape: notebooks committed executed, exercises listed alike and checked, solutions that pass.
+
+A learner reads the notebooks on GitHub without running them, so a notebook
+committed without outputs is a defect; each lesson's exercises must appear,
+with the same titles, in its README, its notebook and its answer file, and
+each must have a check that skips until answered and passes on the worked
+solution.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = sorted(path for path in (ROOT / "lessons").iterdir() if path.is_dir() and path.name[:2].isdigit())
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+EXERCISE = re.compile(r"^#+ Exercise (\d+): (.+?)\s*$", re.MULTILINE)
+MAX_IMAGE_BYTES = 200_000
+MAX_NOTEBOOK_BYTES = 600_000
+
+
+def notebook_for(lesson: Path) -> Path:
+    return ROOT / "notebooks" / (lesson.name.replace("-", "_") + ".ipynb")
+
+
+def markdown_of(notebook: Path) -> str:
+    cells = json.loads(notebook.read_text())["cells"]
+    return "\n\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "markdown")
+
+
+def test_every_lesson_has_its_parts():
+    assert len(LESSONS) >= 10 and len(NOTEBOOKS) == len(LESSONS)
+    for lesson in LESSONS:
+        for part in (lesson / "README.md", lesson / "exercises.py", notebook_for(lesson),
+                     lesson / f"test_exercises_{lesson.name[:2]}.py",
+                     ROOT / "solutions" / (lesson.name.replace("-", "_") + ".py")):
+            assert part.exists(), f"{lesson.name} lacks {part.relative_to(ROOT)}"
+
+
+def test_readme_lesson_table_gives_time_and_prerequisites():
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in (ROOT / "README.md").read_text().splitlines() if re.match(r"\| \d\d \|", line)}
+    for lesson in LESSONS:
+        cells = rows.get(lesson.name[:2])
+        assert cells, f"README's lesson table lacks {lesson.name}"
+        title, time, needs, notebook = cells[:4]
+        assert f"lessons/{lesson.name}/README.md" in title and notebook_for(lesson).name in notebook
+        assert re.fullmatch(r"[\d.]+ (h|min)", time) and needs, f"{lesson.name}: give its time and prerequisites"
+
+
+# --- Notebooks read on GitHub. ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_is_committed_executed(notebook):
+    """Every code cell ran, in order, without an error; the notebook draws at least one figure; outputs stay small."""
+    assert notebook.stat().st_size <= MAX_NOTEBOOK_BYTES, f"{notebook.name} is over {MAX_NOTEBOOK_BYTES} bytes"
+    code = [cell for cell in json.loads(notebook.read_text())["cells"] if cell["cell_type"] == "code"]
+    counts = [cell["execution_count"] for cell in code]
+    assert counts == list(range(1, len(code) + 1)), f"{notebook.name}: run it top to bottom and commit the outputs"
+    outputs = [output for cell in code for output in cell["outputs"]]
+    assert not [output for output in outputs if output["output_type"] == "error"], f"{notebook.name} has an error"
+    images = [output["data"]["image/png"] for output in outputs if "image/png" in output.get("data", {})]
+    assert images, f"{notebook.name} has no figure: run it with a plotting backend (unset MPLBACKEND)"
+    for image in images:
+        assert len(base64.b64decode(image)) <= MAX_IMAGE_BYTES, f"{notebook.name}: an image is over 200 kB"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_states_what_it_needs_and_how_long_it_runs(notebook):
+    first = "".join(json.loads(notebook.read_text())["cells"][0]["source"])
+    assert "**Needs:**" in first and "**Runs in:**" in first, f"{notebook.name}: state needs and run time on top"
+
+
+# --- Exercises: listed alike, checked, answered. ----------------------------------------------------------------------
+
+def exercises_in_answer_file(path: Path) -> list[tuple[int, str]]:
+    """(number, title) from each stub's docstring, whose first line reads 'Exercise N: Title'."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and (doc := ast.get_docstring(node)):
+            match = EXERCISE.match("# " + doc.splitlines()[0])
+            if match:
+                found.append((int(match.group(1)), match.group(2)))
+    return sorted(set(found))
+
+
+def exercises_in(text: str) -> list[tuple[int, str]]:
+    return sorted({(int(number), title) for number, title in EXERCISE.findall(text)})
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_exercises_are_listed_alike(lesson):
+    """README, notebook and answer file name the same exercises, at least three; each has a check."""
+    in_readme = exercises_in((lesson / "README.md").read_text())
+    assert len(in_readme) >= 3, f"{lesson.name}: at least three '### Exercise N: Title' headings in the README"
+    assert [number for number, _ in in_readme] == list(range(1, len(in_readme) + 1))
+    assert exercises_in(markdown_of(notebook_for(lesson))) == in_readme, f"{lesson.name}: notebook differs"
+    assert exercises_in_answer_file(lesson / "exercises.py") == in_readme, f"{lesson.name}: exercises.py differs"
+    checks = (lesson / f"test_exercises_{lesson.name[:2]}.py").read_text()
+    for number, _ in in_readme:
+        assert re.search(rf"def test_exercise_{number}(_\w*)?\(", checks), f"{lesson.name}: no check for {number}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_lesson_readme_opens_with_the_goal_and_ends_with_the_check(lesson):
+    text = (lesson / "README.md").read_text()
+    assert "**What you will build.**" in text.split("\n## ")[0], f"{lesson.name}: open with what you will build"
+    assert text.split("\n## ")[-1].startswith("Check yourself"), f"{lesson.name}: end with '## Check yourself'"
+
+
+def run_checks(*options: str) -> dict[str, int]:
+    """Run every lesson's exercise checks in a fresh interpreter; the outcome counts from its summary line."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-m", "pytest", "lessons", "-q", "-p", "no:cacheprovider", *options],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr
+    counts = {word: int(number) for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    return counts | {"output": result.stdout[-5000:]}
+
+
+def test_every_check_passes_on_the_worked_solutions():
+    counts = run_checks("--solutions")
+    assert not counts.get("failed") and not counts.get("errors") and not counts.get("error"), counts["output"]
+    assert not counts.get("skipped"), counts["output"]
+    assert counts.get("passed", 0) >= 3 * len(LESSONS), counts["output"]
+
+
+def test_every_check_skips_without_an_answer():
+    """The committed answer files are stubs: every check skips (a check that passes on a stub cannot fail)."""
+    counts = run_checks()
+    assert set(counts) == {"skipped", "output"}, counts["output"]
+    assert counts["skipped"] >= 3 * len(LESSONS)
