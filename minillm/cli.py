@@ -272,7 +272,7 @@ def run(args) -> int:
 
         if args.speculative == "lookahead":
             drafter = Lookahead(args.decoding_length or 16, args.branch_length or 8)
-            budget = {"num_draft_tokens": drafter.decoding_length, "adaptive": True}
+            budget = {}  # the drafter's: its decoding length, adapting
         else:
             drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
             budget = {"num_draft_tokens": args.num_draft_tokens or 4}

@@ -16,7 +16,8 @@ branches share their common prefixes, and one forward with a tree attention mask
 
 Two tries feed the drafts: the request's own *context* (prompt and accepted output,
 rebuilt per request) and a *memory* of earlier outputs kept across requests, counted
-and pruned to a node budget; each gets a share of the draft. The two knobs of the
+and pruned to a node budget; each gets a share of the draft, and the rest goes to
+the likeliest continuations of either. The two knobs of the
 original: `branch_length` (how deep a branch goes) and `decoding_length` (how many
 draft tokens one forward may verify in total).
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass
 
 from .speculative import Draft
@@ -122,16 +122,20 @@ class NGramTrie:
 
         Tries suffixes of `max_match` tokens down to 1 and keeps the first that yields
         `min(max_nodes, max_depth)` continuations (a long match is the more reliable
-        one), else the one that yields most. Returns (path, probability) pairs, a path
-        being the tokens after the context, best first; every path's parent path is
-        in the list too (a child is never likelier than its parent).
+        one), else the one that yields most. Returns (path, score) pairs, a path being
+        the tokens after the context, best first; every path's parent path is in the
+        list too (a child never scores above its parent). The score is the path's
+        estimated probability scaled by the match's share of `max_match`: what follows
+        one matching token is a weaker guess than what follows three, which matters
+        when two tries' paths compete for the draft (`share_draft`).
         """
         best: list = []
         for size in range(min(max_match, len(context)), 0, -1):
             node = self.find(context[len(context) - size:])
             if node is None or not node.children:
                 continue
-            found = likeliest_paths(node, max_nodes, min(max_depth, self.depth - size))
+            found = [(path, p * size / max_match)
+                     for path, p in likeliest_paths(node, max_nodes, min(max_depth, self.depth - size))]
             if len(found) >= min(max_nodes, max_depth):
                 return found
             if len(found) > len(best):
@@ -188,18 +192,18 @@ class DraftTree:
 
 
 def share_draft(context_paths, memory_paths, budget: int) -> list[tuple]:
-    """Up to `budget` draft nodes: half for the context's continuations, half for the memory's,
-    and what one side cannot fill goes to the other. A path both offer counts once. Each
-    side's paths are taken best first, so every chosen path's parent is chosen too."""
+    """Up to `budget` draft nodes from both sources: each source's best path first, so that both get a
+    share, then the best-scoring of the rest, whichever source they come from (the context first among
+    equals). A path both offer counts once.
+
+    Each source's list is best first and a path never scores above its parent, so the parent comes
+    first in its own list and in the merge: every chosen path's parent is chosen too."""
     chosen: dict[tuple, None] = {}
-    half = (budget + 1) // 2
-    for path, _ in context_paths[:half]:
-        chosen.setdefault(path)
-    for path, _ in memory_paths:
-        if len(chosen) >= budget:
-            break
-        chosen.setdefault(path)
-    for path, _ in context_paths[half:]:
+    for paths in (context_paths, memory_paths):
+        if paths and len(chosen) < budget:
+            chosen.setdefault(paths[0][0])
+    rest = sorted([*context_paths[1:], *memory_paths[1:]], key=lambda item: -item[1])  # stable: context first
+    for path, _ in rest:
         if len(chosen) >= budget:
             break
         chosen.setdefault(path)
@@ -214,16 +218,21 @@ class Lookahead:
     from both tries' continuations of the sequence's suffix, `branch_length` deep at
     most. `end` adds the finished output to the memory; `warm` adds texts of the kind
     to come (the original builds its memory from a training split).
+
+    The decoder reads `max_draft` (its budget's ceiling) and `adaptive` (shrink the
+    budget where drafts fail, so open-ended text costs little) from the drafter. The
+    time `propose` takes is the decoder's `draft_seconds`: retrieval, for lookahead.
     """
+
+    adaptive = True
 
     def __init__(self, decoding_length: int = 16, branch_length: int = 8, max_match: int = 3,
                  memory_budget: int = 65536):
-        check_lookahead_lengths(decoding_length, branch_length)
+        check_lookahead_lengths(decoding_length, branch_length, max_match=max_match)
         self.decoding_length, self.branch_length, self.max_match = decoding_length, branch_length, max_match
         self.memory = NGramTrie(max_match + branch_length, node_budget=memory_budget)
         self.context = NGramTrie(max_match + branch_length)
         self.fed = 0  # tokens of the current sequence in the context trie
-        self.retrieval_seconds = 0.0
 
     @property
     def max_draft(self) -> int:
@@ -238,17 +247,14 @@ class Lookahead:
     def begin(self, target, tokenizer, max_len):
         self.context = NGramTrie(self.max_match + self.branch_length)
         self.fed = 0
-        self.retrieval_seconds = 0.0
 
     def propose(self, sequence, n, config, history, generator) -> Draft:
-        start = time.perf_counter()
         self.context.extend(sequence[self.fed:])
         self.fed = len(sequence)
         budget = min(n, self.decoding_length)
         found = [trie.continuations(sequence, budget, self.branch_length, self.max_match)
                  for trie in (self.context, self.memory)]
         tree = DraftTree.from_paths(sequence[-1], share_draft(*found, budget))
-        self.retrieval_seconds += time.perf_counter() - start
         return Draft(tree.tokens[1:], parents=tree.parents[1:])
 
     def rollback(self, sequence):
@@ -260,10 +266,11 @@ class Lookahead:
         self.memory.prune()
 
 
-def check_lookahead_lengths(decoding_length, branch_length, as_flags: bool = False) -> None:
+def check_lookahead_lengths(decoding_length, branch_length, as_flags: bool = False, max_match=1) -> None:
     """Refuse a length below 1, named as the API (decoding_length=0) or the CLI (--decoding-length 0) spells it."""
     for name, value, what in (("decoding_length", decoding_length, "draft tokens verified per forward"),
-                              ("branch_length", branch_length, "tokens in one branch")):
+                              ("branch_length", branch_length, "tokens in one branch"),
+                              ("max_match", max_match, "context tokens a retrieval matches")):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             setting = f"--{name.replace('_', '-')} {value}" if as_flags else f"{name}={value!r}"
             raise ValueError(f"{setting} is invalid: must be an integer >= 1 ({what})")

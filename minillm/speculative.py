@@ -288,7 +288,8 @@ def make_drafter(kind: str, target, draft_model: str | None = None, dtype="float
             raise ValueError("--speculative model needs --draft-model (a model name or path, or layers:N for the "
                              "target's first N blocks)")
         return DraftModel(*load_draft(draft_model, target, dtype, device))
-    raise ValueError(f"--speculative {kind!r} is invalid: use one of {', '.join(DRAFTERS)}")
+    raise ValueError(f"--speculative {kind!r} is invalid: use one of {', '.join(DRAFTERS)} "
+                     "(lookahead drafts come from minillm.lookahead.Lookahead)")
 
 
 def independent_stream(generator: torch.Generator) -> torch.Generator:
@@ -324,10 +325,17 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, model, drafter: Drafter, prompt_ids: list[int], config: SamplingConfig, *,
-                 num_draft_tokens: int = 4, tokenizer=None, cache: str = "static", adaptive: bool = False):
+                 num_draft_tokens: int | None = None, tokenizer=None, cache: str = "static",
+                 adaptive: bool | None = None):
         """num_draft_tokens: the most tokens one round drafts (a tree's nodes); adaptive: start there,
         halve after a round that accepted nothing, double after one that accepted all (so text
-        where drafts fail costs little)."""
+        where drafts fail costs little; after a partial acceptance, twice what was accepted, or half the
+        budget if that is more); a round
+        that fails at a budget of 1 pauses drafting for 1, 2, 4 ... 16 plain steps, since on a CPU even
+        one extra token makes a forward dearer. Left as None, both come from the drafter when it says
+        (`max_draft`, `adaptive`: lookahead's decoding length, adaptive), else 4 and fixed."""
+        num_draft_tokens = getattr(drafter, "max_draft", 4) if num_draft_tokens is None else num_draft_tokens
+        adaptive = getattr(drafter, "adaptive", False) if adaptive is None else adaptive
         check_num_draft_tokens(num_draft_tokens)
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: speculative decoding rolls back a KV cache; use 'static' or 'dynamic'")
@@ -353,6 +361,7 @@ class SpeculativeDecoder:
         self.drafted = self.accepted = self.verify_forwards = self.fed = 0
         self.draft_seconds = 0.0
         self.adaptive, self.budget = adaptive, num_draft_tokens
+        self.pause = self.paused = 0  # adaptive: plain steps to take before drafting again; the last pause's length
         self.reached: dict[int, int] = {}  # depth -> rounds whose draft reached it
         self.kept: dict[int, int] = {}  # depth -> rounds that accepted a token at it
 
@@ -381,7 +390,8 @@ class SpeculativeDecoder:
     def round(self) -> Round:
         """Draft up to `budget` tokens, verify them in one target forward, keep the agreed prefix + one."""
         remaining = self.config.max_new_tokens - len(self.state.token_ids)
-        n = min(self.budget, remaining - 1)  # a round emits at most n + 1 tokens
+        n = 0 if self.pause else min(self.budget, remaining - 1)  # a round emits at most n + 1 tokens
+        self.pause = max(0, self.pause - 1)
         start = time.perf_counter()
         draft = (self.drafter.propose(self.sequence, n, self.config, self.history, self.draft_generator)
                  if n > 0 else Draft([]))
@@ -452,15 +462,24 @@ class SpeculativeDecoder:
 
     def _count_depths(self, result: Round) -> None:
         """Acceptance per depth; and the adaptive budget: double after a round that accepted its whole
-        depth, halve after one that accepted nothing."""
+        depth, twice what was accepted (at least half
+        the budget) after one that accepted part of it, halve after one that
+        accepted nothing, and after one that accepted nothing of a single drafted token, pause drafting
+        (twice as long as the last pause, until a draft is accepted)."""
         for d in range(1, result.depth + 1):
             self.reached[d] = self.reached.get(d, 0) + 1
             self.kept[d] = self.kept.get(d, 0) + (result.accepted >= d)
         if self.adaptive and result.depth:
             if result.accepted >= result.depth:
                 self.budget = min(self.k, 2 * self.budget)
-            elif result.accepted == 0:
-                self.budget = max(1, self.budget // 2)
+            elif result.accepted:
+                self.budget = min(self.k, max(2 * result.accepted, self.budget // 2))
+            elif self.budget == 1:
+                self.pause = self.paused = min(16, 2 * self.paused or 1)
+            else:
+                self.budget //= 2
+            if result.accepted:
+                self.paused = 0
 
     def stats_extra(self) -> dict:
         emitted_in_rounds = len(self.state.token_ids) - 1
@@ -478,8 +497,8 @@ class SpeculativeDecoder:
 class SpeculativeGeneration:
     """One speculative run as a stream of events (one per round); `output` once it is done."""
 
-    def __init__(self, model, prompt, drafter: Drafter, config=None, *, num_draft_tokens: int = 4,
-                 tokenizer=None, cache: str = "static", adaptive: bool = False, **config_overrides):
+    def __init__(self, model, prompt, drafter: Drafter, config=None, *, num_draft_tokens: int | None = None,
+                 tokenizer=None, cache: str = "static", adaptive: bool | None = None, **config_overrides):
         config = (config or SamplingConfig()).with_(**config_overrides)
         rows = encode_prompts(prompt, tokenizer)
         if len(rows) != 1:
@@ -514,8 +533,8 @@ class SpeculativeGeneration:
 
 
 def speculative_generate(model, prompt, drafter: Drafter, config: SamplingConfig | None = None, *,
-                         num_draft_tokens: int = 4, tokenizer=None, cache: str = "static", streamer=None,
-                         stream: bool = False, adaptive: bool = False, **config_overrides):
+                         num_draft_tokens: int | None = None, tokenizer=None, cache: str = "static",
+                         streamer=None, stream: bool = False, adaptive: bool | None = None, **config_overrides):
     """`minillm.infer.generate` for one prompt, sped up by a drafter; same outputs, same stats,
     plus stats.extra: drafted, accepted, acceptance_rate, tokens_per_target_forward.
 

@@ -10,7 +10,7 @@ from minillm.infer import generate
 from minillm.lookahead import DraftTree, Lookahead, NGramTrie, likeliest_paths, share_draft
 from minillm.sampling import SamplingConfig
 from minillm.session import DecodeSession, Tree
-from minillm.speculative import SpeculativeDecoder, speculative_generate
+from minillm.speculative import Draft, SpeculativeDecoder, speculative_generate
 from minillm.tiny import tiny_pair
 
 TINY_PROMPT = [5, 9, 14, 3, 27, 9, 14, 3, 8]
@@ -108,9 +108,13 @@ def test_pruning_keeps_what_recurs_within_the_budget():
 def test_share_draft_gives_both_sources_a_share():
     context = [((1,), 0.9), ((1, 2), 0.8), ((1, 2, 3), 0.7), ((4,), 0.1)]
     memory = [((5,), 0.9), ((1,), 0.5), ((5, 6), 0.4)]
-    assert share_draft(context, memory, 4) == [(1,), (1, 2), (5,), (5, 6)]
+    # the best path of each, then the likeliest of the rest: (1, 2) 0.8, (1, 2, 3) 0.7
+    assert share_draft(context, memory, 4) == [(1,), (5,), (1, 2), (1, 2, 3)]
+    # 8: then (1,) again (counted once), (5, 6) 0.4, (4,) 0.1: every path either source offers
+    assert share_draft(context, memory, 8) == [(1,), (5,), (1, 2), (1, 2, 3), (5, 6), (4,)]
     assert share_draft(context, [], 3) == [(1,), (1, 2), (1, 2, 3)]
     assert share_draft([], memory, 2) == [(5,), (1,)]
+    assert share_draft(context, memory, 1) == [(1,)]
 
 
 def test_likeliest_paths_are_ancestor_closed():
@@ -251,6 +255,18 @@ def test_lengths_below_one_are_refused():
         Lookahead(decoding_length=0)
     with pytest.raises(ValueError, match="branch_length=-1 is invalid"):
         Lookahead(branch_length=-1)
+    with pytest.raises(ValueError, match="max_match=0 is invalid"):
+        Lookahead(max_match=0)
+
+
+def test_the_decoder_takes_lookahead_budget_and_adaptivity_from_the_drafter(tiny):
+    """Left unset, the budget is the drafter's decoding length and it adapts; set, the caller's value wins."""
+    model = tiny[1]
+    decoder = SpeculativeDecoder(model, Lookahead(decoding_length=12), TINY_PROMPT, SamplingConfig(max_new_tokens=8))
+    assert (decoder.k, decoder.budget, decoder.adaptive) == (12, 12, True)
+    decoder = SpeculativeDecoder(model, Lookahead(decoding_length=12), TINY_PROMPT, SamplingConfig(max_new_tokens=8),
+                                 num_draft_tokens=3, adaptive=False)
+    assert (decoder.k, decoder.adaptive) == (3, False)
 
 
 def test_greedy_lookahead_on_the_default_model(default_model):
@@ -271,3 +287,48 @@ def test_greedy_lookahead_on_the_default_model(default_model):
                                     max_new_tokens=48, stop=(stop,)).rows[0]
     assert plain_stop.finish_reason == out_stop.finish_reason == "stop"
     assert out_stop.text == plain_stop.text and stop not in out_stop.text
+
+
+def test_the_adaptive_budget_halves_then_pauses_longer_and_longer_when_drafts_fail(tiny):
+    """A drafter that is always wrong: the budget halves to 1, then drafting pauses for 1, 2, 4 ... plain
+    steps; a drafter that is always right doubles it back up to the ceiling. The tokens stay plain greedy's."""
+    model = tiny[1]
+    n_new = 54  # the tiny models hold 64 positions
+    plain = generate(model, TINY_PROMPT, max_new_tokens=n_new, eos_token_id=()).rows[0].token_ids
+
+    class Wrong:  # proposes, at each step, a token different from what greedy will emit next
+        def begin(self, target, tokenizer, max_len):
+            pass
+
+        def propose(self, sequence, n, config, history, generator):
+            nxt = plain[len(sequence) - len(TINY_PROMPT)]
+            return Draft([(nxt + 1) % model.config.vocab_size] * n)
+
+        def rollback(self, sequence):
+            pass
+
+    decoder = SpeculativeDecoder(model, Wrong(), TINY_PROMPT, SamplingConfig(max_new_tokens=n_new, eos_token_id=()),
+                                 num_draft_tokens=8, adaptive=True)
+    decoder.prefill()
+    drafted = []
+    while not decoder.finished:
+        drafted.append(len(decoder.round().drafted))
+    assert decoder.sequence[len(TINY_PROMPT):] == plain
+    expected = [8, 4, 2, 1] + [0, 1] + [0] * 2 + [1] + [0] * 4 + [1] + [0] * 8 + [1] + [0] * 16 + [1]
+    assert drafted[:len(expected)] == expected
+
+    class Right(Wrong):
+        def propose(self, sequence, n, config, history, generator):
+            done = len(sequence) - len(TINY_PROMPT)
+            return Draft(plain[done:done + n])
+
+    decoder = SpeculativeDecoder(model, Right(), TINY_PROMPT, SamplingConfig(max_new_tokens=n_new, eos_token_id=()),
+                                 num_draft_tokens=8, adaptive=True)
+    decoder.budget = 1
+    decoder.prefill()
+    sizes = [len(decoder.round().drafted) for _ in range(5)]
+    assert sizes == [1, 2, 4, 8, 8] and decoder.sequence[len(TINY_PROMPT):] == plain[:len(decoder.sequence) - len(TINY_PROMPT)]
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("11_lookahead.ipynb", timeout=600)

@@ -16,11 +16,11 @@ import re
 import pytest
 
 from minillm.bench import OPTION_COMMANDS, README, RESULTS, build_parser, git_stamp, write_results
-from minillm.benchmarks import batch, cache_scaling, decode, report, speculative
+from minillm.benchmarks import batch, cache_scaling, decode, lookahead, report, speculative
 from minillm.jsonio import dumps, read_json, write_json
 
 PLOTS = {"decode": decode.plot, "cache-scaling": cache_scaling.plot, "batch": batch.plot,
-         "speculative": speculative.plot}
+         "speculative": speculative.plot, "lookahead": lookahead.plot}
 
 
 def strict_loads(text: str):
@@ -139,8 +139,31 @@ def speculative_result() -> dict:
                    draft_cost_ratio={"dtype:bfloat16": 0.7}, tasks={"edit": task})
 
 
+def lookahead_result() -> dict:
+    def entry(tokens_per_second, plain, forward=None):
+        row = {"tokens_per_second": tokens_per_second, "tokens_per_second_per_repeat": around(tokens_per_second),
+               "matches_plain": True, "speedup": tokens_per_second / plain}
+        if forward is not None:
+            row.update({"tokens_per_forward": forward, "fed_per_forward": 2 * forward, "draft_share": 0.02,
+                        "acceptance_by_depth": {"1": 0.9, "2": 0.5}})
+        return row
+
+    settings = {f"{n}x{d}": {"decoding_length": n, "branch_length": d, "speedup": 1.0 + n / 10 + d / 100,
+                             "tokens_per_forward": 2.0, "fed_per_forward": 4.0, "draft_share": 0.02,
+                             "acceptance_by_depth": {"1": 0.9}} for n in (8, 16) for d in (4, 8)}
+    task = {"prompt_tokens": [60, 70], "warm_prompts": 2, "prompts": [],
+            "sweep": {"plain_seconds": 2.0, "settings": settings},
+            "contenders": {"minillm plain": entry(20.0, 20.0), "minillm prompt-lookup": entry(40.0, 20.0, 2.0),
+                           "minillm lookahead (prompt)": entry(50.0, 20.0, 2.6),
+                           "minillm lookahead (warm)": entry(60.0, 20.0, 3.3),
+                           "transformers plain": entry(25.0, 25.0),
+                           "transformers prompt-lookup": entry(35.0, 25.0)}}
+    return stamped("lookahead", dtype="float32", max_new_tokens=40, prompt_lookup_k=4, decoding_length=16,
+                   branch_length=8, tasks={"grounded": task, "open-ended": task})
+
+
 SYNTHETIC = {"decode": decode_result, "cache-scaling": cache_scaling_result, "batch": batch_result,
-             "speculative": speculative_result}
+             "speculative": speculative_result, "lookahead": lookahead_result}
 
 
 @pytest.fixture
@@ -167,6 +190,16 @@ def test_report_quotes_the_json_and_changes_with_it(results_dir):
     second = report.regenerate(TEMPLATE, results_dir, results_dir)
     assert "| FP32 | 51.2 | 20.0 | **2.56x** |" in second
     assert "44.0" not in generated(second)
+
+
+def test_lookahead_report_quotes_speedups_forwards_and_the_best_setting(results_dir):
+    text = report.regenerate(TEMPLATE, results_dir, results_dir)
+    assert ("| grounded | 20.0 | 2.00x (2.00) | 2.50x (2.60) | **3.00x (3.30)** | 1.40x |" in text)
+    prose = flat(text)
+    assert ("grounded: warm lookahead 3.00x plain greedy and 1.50x prompt lookup (prompt-only trie: 2.50x); it feeds "
+            "6.6 tokens per forward to gain 3.30, and retrieving drafts takes 2% of the time. Best in the sweep: "
+            "decoding length 16, branch length 8 (2.68x, one run)." in prose)
+    assert "Every run produced exactly the plain greedy tokens." in prose
 
 
 def test_report_names_command_machine_and_commit(results_dir):

@@ -20,6 +20,7 @@ SUITES = {
     "cache-scaling": "minillm.benchmarks.cache_scaling",
     "batch": "minillm.benchmarks.batch",
     "speculative": "minillm.benchmarks.speculative",
+    "lookahead": "minillm.benchmarks.lookahead",
     "regression": "minillm.benchmarks.regression",
 }
 REPO = Path(__file__).resolve().parent.parent.parent

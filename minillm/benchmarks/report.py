@@ -323,11 +323,64 @@ def _draft_label(spec: str) -> str:
     return spec
 
 
+def lookahead_section(title: str, data: dict, links: dict) -> str:
+    tasks = data["tasks"]
+    names = list(next(iter(tasks.values()))["contenders"])
+    shown = [name for name in names if not name.endswith(" plain")]
+    header = ["task", "minillm plain tok/s", *shown]
+    body = []
+    for task, result in tasks.items():
+        entries = [result["contenders"][name] for name in shown]
+        cells = [times(e["speedup"]) + (f" ({e['tokens_per_forward']:.2f})" if "tokens_per_forward" in e else "")
+                 for e in entries]
+        body.append([task, f"{result['contenders']['minillm plain']['tokens_per_second']:.1f}",
+                     *bold_max(cells, [e["speedup"] for e in entries])])
+    prompts = sorted({n for result in tasks.values() for n in result["prompt_tokens"]})
+    return "\n\n".join([
+        heading(title, links,
+                f"{model_label(data['model'])}, {PRECISIONS.get(data['dtype'], data['dtype'])}, greedy, batch 1, "
+                f"held-out prompts of {prompts[0]}-{prompts[-1]} tokens, up to {data['max_new_tokens']} new tokens; "
+                f"lookahead at decoding length {data['decoding_length']}, branch length {data['branch_length']}; "
+                f"prompt lookup at k = {data['prompt_lookup_k']}. Each cell is tokens/s as a multiple of the same "
+                "library's plain greedy decoding (prefill included), with tokens per target forward in brackets; "
+                f"bold: the fastest. {_lookahead_matches(tasks)}"),
+        provenance(data), table(header, body), _lookahead_bullets(data)])
+
+
+def _lookahead_matches(tasks: dict) -> str:
+    differing = [f"{name} ({task})" for task, result in tasks.items()
+                 for name, entry in result["contenders"].items() if not entry["matches_plain"]]
+    if not differing:
+        return "Every run produced exactly the plain greedy tokens."
+    return f"Runs whose tokens differ from plain greedy's: {', '.join(differing)}."
+
+
+def _lookahead_bullets(data: dict) -> str:
+    bullets = []
+    for task, result in data["tasks"].items():
+        c = result["contenders"]
+        warm, prompt_only, lookup = (c["minillm lookahead (warm)"], c["minillm lookahead (prompt)"],
+                                     c["minillm prompt-lookup"])
+        best_key, best = max(result["sweep"]["settings"].items(), key=lambda item: item[1]["speedup"])
+        bullets.append(bullet(
+            f"{task}: warm lookahead {times(warm['speedup'])} plain greedy and "
+            f"{times(warm['tokens_per_second'] / lookup['tokens_per_second'])} prompt lookup (prompt-only trie: "
+            f"{times(prompt_only['speedup'])}); it feeds {warm['fed_per_forward']:.1f} tokens per forward to gain "
+            f"{warm['tokens_per_forward']:.2f}, and retrieving drafts takes {percent(warm['draft_share'])} of the "
+            f"time. Best in the sweep: decoding length {best['decoding_length']}, branch length "
+            f"{best['branch_length']} ({times(best['speedup'])}, one run)."))
+    bullets.append(bullet("Lookahead pays where the answer repeats what the trie has seen (the prompt, or earlier "
+                          "answers of the same kind); on open-ended text its drafts fail, and the adaptive budget "
+                          "shrinks them to a token or two so that verifying them costs little."))
+    return "\n".join(bullets)
+
+
 SECTIONS = {  # suite: (title, the function writing its Markdown)
     "decode": ("Decoding at batch 1", decode_section),
     "cache-scaling": ("Cost per token as the sequence grows", cache_scaling_section),
     "batch": ("Batching", batch_section),
     "speculative": ("Speculative decoding", speculative_section),
+    "lookahead": ("Lookahead decoding", lookahead_section),
 }
 
 
