@@ -197,7 +197,7 @@ def test_lookahead_report_quotes_speedups_forwards_and_the_best_setting(results_
     assert ("| grounded | 20.0 | 2.00x (2.00) | 2.50x (2.60) | **3.00x (3.30)** | 1.40x |" in text)
     prose = flat(text)
     assert ("grounded: warm lookahead 3.00x plain greedy and 1.50x prompt lookup (prompt-only trie: 2.50x); it feeds "
-            "6.6 tokens per forward to gain 3.30, and retrieving drafts takes 2% of the time. Best in the sweep: "
+            "6.6 tokens per forward to gain 3.30, and retrieving drafts takes 2.0% of the time. Best in the sweep: "
             "decoding length 16, branch length 8 (2.68x, one run)." in prose)
     assert "Every run produced exactly the plain greedy tokens." in prose
 

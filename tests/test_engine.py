@@ -31,7 +31,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
 # Lowest first; a module may import from its own layer or any layer below it.
 LAYERS = {
     "weights": {"fetch", "tokenizer", "jsonio"},
-    "model": {"model", "attention", "kv_cache", "onednn", "loading", "tiny", "precision"},
+    "model": {"model", "attention", "kv_cache", "paged", "onednn", "loading", "tiny", "precision"},
     "decoding": {"settings", "sampling", "stopping", "detokenize"},
     "session": {"session", "generation", "batching"},
     "strategies": {"infer", "speculative", "beam", "lookahead"},

@@ -366,7 +366,7 @@ def _lookahead_bullets(data: dict) -> str:
             f"{task}: warm lookahead {times(warm['speedup'])} plain greedy and "
             f"{times(warm['tokens_per_second'] / lookup['tokens_per_second'])} prompt lookup (prompt-only trie: "
             f"{times(prompt_only['speedup'])}); it feeds {warm['fed_per_forward']:.1f} tokens per forward to gain "
-            f"{warm['tokens_per_forward']:.2f}, and retrieving drafts takes {percent(warm['draft_share'])} of the "
+            f"{warm['tokens_per_forward']:.2f}, and retrieving drafts takes {warm['draft_share']:.1%} of the "
             f"time. Best in the sweep: decoding length {best['decoding_length']}, branch length "
             f"{best['branch_length']} ({times(best['speedup'])}, one run)."))
     bullets.append(bullet("Lookahead pays where the answer repeats what the trie has seen (the prompt, or earlier "
