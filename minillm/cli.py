@@ -163,6 +163,13 @@ def beam_options(args, config: SamplingConfig) -> dict | None:
     return options
 
 
+def lookahead_options(args) -> dict:
+    """--decoding-length / --branch-length as Lookahead's keywords, only those given (Lookahead's
+    defaults stand for the rest)."""
+    given = {"decoding_length": args.decoding_length, "branch_length": args.branch_length}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def check_flag_combinations(args) -> None:
     """Flags that only mean something with another flag are refused without it, never ignored."""
     from .lookahead import check_lookahead_lengths
@@ -178,8 +185,7 @@ def check_flag_combinations(args) -> None:
         if args.num_draft_tokens is not None:
             raise ValueError("--num-draft-tokens is for model and prompt-lookup drafts: lookahead's budget is "
                              "--decoding-length")
-        check_lookahead_lengths(1 if args.decoding_length is None else args.decoding_length,
-                                1 if args.branch_length is None else args.branch_length, as_flags=True)
+        check_lookahead_lengths(**lookahead_options(args), as_flags=True)
     else:
         for flag, value in lookahead_flags:
             if value is not None:
@@ -271,7 +277,7 @@ def run(args) -> int:
         from .speculative import make_drafter, speculative_generate
 
         if args.speculative == "lookahead":
-            drafter = Lookahead(args.decoding_length or 16, args.branch_length or 8)
+            drafter = Lookahead(**lookahead_options(args))
             budget = {}  # the drafter's: its decoding length, adapting
         else:
             drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)

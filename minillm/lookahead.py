@@ -178,18 +178,6 @@ class DraftTree:
             parents.append(index[path[:-1]])
         return cls(tokens, parents)
 
-    def children(self, node: int) -> dict[int, int]:
-        """token -> node index of each child of `node`."""
-        return {self.tokens[i]: i for i, parent in enumerate(self.parents) if parent == node}
-
-    @property
-    def depth(self) -> int:
-        depths = [0] * len(self.tokens)
-        for i, parent in enumerate(self.parents):
-            if parent >= 0:
-                depths[i] = depths[parent] + 1
-        return max(depths)
-
 
 def share_draft(context_paths, memory_paths, budget: int) -> list[tuple]:
     """Up to `budget` draft nodes from both sources: each source's best path first, so that both get a
@@ -266,8 +254,9 @@ class Lookahead:
         self.memory.prune()
 
 
-def check_lookahead_lengths(decoding_length, branch_length, as_flags: bool = False, max_match=1) -> None:
-    """Refuse a length below 1, named as the API (decoding_length=0) or the CLI (--decoding-length 0) spells it."""
+def check_lookahead_lengths(decoding_length=1, branch_length=1, as_flags: bool = False, max_match=1) -> None:
+    """Refuse a length below 1, named as the API (decoding_length=0) or the CLI (--decoding-length 0) spells it.
+    Each length left out is a valid one: a caller checks only what it was given."""
     for name, value, what in (("decoding_length", decoding_length, "draft tokens verified per forward"),
                               ("branch_length", branch_length, "tokens in one branch"),
                               ("max_match", max_match, "context tokens a retrieval matches")):

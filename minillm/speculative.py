@@ -327,13 +327,10 @@ class SpeculativeDecoder:
     def __init__(self, model, drafter: Drafter, prompt_ids: list[int], config: SamplingConfig, *,
                  num_draft_tokens: int | None = None, tokenizer=None, cache: str = "static",
                  adaptive: bool | None = None):
-        """num_draft_tokens: the most tokens one round drafts (a tree's nodes); adaptive: start there,
-        halve after a round that accepted nothing, double after one that accepted all (so text
-        where drafts fail costs little; after a partial acceptance, twice what was accepted, or half the
-        budget if that is more); a round
-        that fails at a budget of 1 pauses drafting for 1, 2, 4 ... 16 plain steps, since on a CPU even
-        one extra token makes a forward dearer. Left as None, both come from the drafter when it says
-        (`max_draft`, `adaptive`: lookahead's decoding length, adaptive), else 4 and fixed."""
+        """num_draft_tokens: the most tokens one round drafts (a tree's nodes); adaptive: let the
+        budget follow what the target accepts, below that ceiling (`_count_depths`), so text where
+        drafts fail costs little. Left as None, both come from the drafter when it says (`max_draft`,
+        `adaptive`: lookahead's decoding length, adaptive), else 4 and fixed."""
         num_draft_tokens = getattr(drafter, "max_draft", 4) if num_draft_tokens is None else num_draft_tokens
         adaptive = getattr(drafter, "adaptive", False) if adaptive is None else adaptive
         check_num_draft_tokens(num_draft_tokens)
@@ -461,11 +458,12 @@ class SpeculativeDecoder:
                      depth=int(tree.depth.max()))
 
     def _count_depths(self, result: Round) -> None:
-        """Acceptance per depth; and the adaptive budget: double after a round that accepted its whole
-        depth, twice what was accepted (at least half
-        the budget) after one that accepted part of it, halve after one that
-        accepted nothing, and after one that accepted nothing of a single drafted token, pause drafting
-        (twice as long as the last pause, until a draft is accepted)."""
+        """Acceptance per depth; and the adaptive budget, after a round that accepted
+        - its draft's whole depth: double it (up to the ceiling k);
+        - part of it: twice what was accepted, or half the budget if that is more;
+        - nothing of several drafted tokens: halve it;
+        - nothing of a single drafted token: pause drafting for 1, 2, 4 ... 16 plain steps (twice the last
+          pause, until a draft is accepted), since on a CPU even one extra token makes a forward dearer."""
         for d in range(1, result.depth + 1):
             self.reached[d] = self.reached.get(d, 0) + 1
             self.kept[d] = self.kept.get(d, 0) + (result.accepted >= d)

@@ -103,14 +103,17 @@ def warm_memory(model, tokenizer, prompts, max_new_tokens: int) -> list[list[int
             for ids in prompts]
 
 
-def lookahead_drafter(memory: list[list[int]], decoding_length: int = 16, branch_length: int = 8) -> Lookahead:
-    drafter = Lookahead(decoding_length, branch_length)
+def lookahead_drafter(memory: list[list[int]], **lengths) -> Lookahead:
+    """A Lookahead (its default lengths unless given) whose memory holds `memory`."""
+    drafter = Lookahead(**lengths)
     drafter.warm(memory)
     return drafter
 
 
-def run_speculative(model, tokenizer, ids, drafter, k: int, max_new_tokens: int, adaptive: bool):
-    """(seconds, output) of one speculative run: the drafter is built before the clock starts."""
+def run_speculative(model, tokenizer, ids, drafter, max_new_tokens: int, k: int | None = None,
+                    adaptive: bool | None = None):
+    """(seconds, output) of one speculative run: the drafter is built before the clock starts.
+    k and adaptive left as None: the drafter's own (lookahead: its decoding length, adapting)."""
     start = time.perf_counter()
     out = speculative_generate(model, ids, drafter, tokenizer=tokenizer, num_draft_tokens=k,
                                max_new_tokens=max_new_tokens, adaptive=adaptive)
@@ -133,17 +136,16 @@ def measure_prompt(model, tokenizer, hf, ids, memory, max_new_tokens: int, repea
     def plain():
         outputs["minillm plain"] = generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
 
-    def speculative(name, make, k, adaptive):
+    def speculative(name, make, **budget):
         def call():
-            seconds, outputs[name] = run_speculative(model, tokenizer, ids, make(), k, max_new_tokens, adaptive)
+            seconds, outputs[name] = run_speculative(model, tokenizer, ids, make(), max_new_tokens, **budget)
             return seconds
         return call
 
     runs = {"minillm plain": plain,
-            "minillm prompt-lookup": speculative("minillm prompt-lookup", PromptLookup, PROMPT_LOOKUP_K, False),
-            "minillm lookahead (prompt)": speculative("minillm lookahead (prompt)", Lookahead, 16, True),
-            "minillm lookahead (warm)": speculative("minillm lookahead (warm)", lambda: lookahead_drafter(memory),
-                                                    16, True)}
+            "minillm prompt-lookup": speculative("minillm prompt-lookup", PromptLookup, k=PROMPT_LOOKUP_K),
+            "minillm lookahead (prompt)": speculative("minillm lookahead (prompt)", Lookahead),
+            "minillm lookahead (warm)": speculative("minillm lookahead (warm)", lambda: lookahead_drafter(memory))}
     if hf is not None:
         input_ids = torch.tensor([ids])
         common = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids),
@@ -181,8 +183,8 @@ def sweep(model, tokenizer, ids, memory, max_new_tokens: int, decoding_lengths, 
     rows = {}
     for n in decoding_lengths:
         for depth in branch_lengths:
-            seconds, out = run_speculative(model, tokenizer, ids, lookahead_drafter(memory, n, depth), n,
-                                           max_new_tokens, adaptive=True)
+            drafter = lookahead_drafter(memory, decoding_length=n, branch_length=depth)
+            seconds, out = run_speculative(model, tokenizer, ids, drafter, max_new_tokens)
             rows[f"{n}x{depth}"] = {"decoding_length": n, "branch_length": depth, "speedup": plain_seconds / seconds,
                                     **lookahead_stats(out)}
     return {"plain_seconds": plain_seconds, "settings": rows}
@@ -239,7 +241,8 @@ def run(args) -> dict:
                        "sweep": sweep(model, tokenizer, prompts[0], memory, max_new_tokens, decoding_lengths,
                                       branch_lengths)}
     return {"model": args.model, "dtype": "float32", "max_new_tokens": max_new_tokens, "repeats": args.repeats,
-            "prompt_lookup_k": PROMPT_LOOKUP_K, "decoding_length": 16, "branch_length": 8, "tasks": tasks}
+            "prompt_lookup_k": PROMPT_LOOKUP_K, "decoding_length": Lookahead().decoding_length,
+            "branch_length": Lookahead().branch_length, "tasks": tasks}
 
 
 def plot(data: dict, path=None):

@@ -263,13 +263,15 @@ def speculative_section(title: str, data: dict, links: dict) -> str:
                 f"{model_label(data['model'])}, {PRECISIONS.get(data['dtype'], data['dtype'])}, greedy, batch 1, "
                 f"up to {data['max_new_tokens']} new tokens. Each cell is tokens/s as a multiple of the same "
                 "library's plain greedy decoding (prefill included), with minillm's acceptance rate in brackets; "
-                f"bold: the best k. {_matches_sentence(tasks)}"),
+                f"bold: the best k. "
+                + _matches_sentence([f"{name} at k = {k} ({task})" for task, result in tasks.items()
+                                     for name, by_k in result["contenders"].items() for k, row in by_k.items()
+                                     if not row["matches_plain"]])),
         provenance(data), table(header, body), _speculative_bullets(data)])
 
 
-def _matches_sentence(tasks: dict) -> str:
-    differing = [f"{name} at k = {k} ({task})" for task, result in tasks.items()
-                 for name, by_k in result["contenders"].items() for k, row in by_k.items() if not row["matches_plain"]]
+def _matches_sentence(differing: list[str]) -> str:
+    """Whether every run gave plain greedy's tokens, naming the runs that did not."""
     if not differing:
         return "Every run produced exactly the plain greedy tokens."
     return f"Runs whose tokens differ from plain greedy's: {', '.join(differing)}."
@@ -343,16 +345,10 @@ def lookahead_section(title: str, data: dict, links: dict) -> str:
                 f"lookahead at decoding length {data['decoding_length']}, branch length {data['branch_length']}; "
                 f"prompt lookup at k = {data['prompt_lookup_k']}. Each cell is tokens/s as a multiple of the same "
                 "library's plain greedy decoding (prefill included), with tokens per target forward in brackets; "
-                f"bold: the fastest. {_lookahead_matches(tasks)}"),
+                "bold: the fastest. "
+                + _matches_sentence([f"{name} ({task})" for task, result in tasks.items()
+                                     for name, entry in result["contenders"].items() if not entry["matches_plain"]])),
         provenance(data), table(header, body), _lookahead_bullets(data)])
-
-
-def _lookahead_matches(tasks: dict) -> str:
-    differing = [f"{name} ({task})" for task, result in tasks.items()
-                 for name, entry in result["contenders"].items() if not entry["matches_plain"]]
-    if not differing:
-        return "Every run produced exactly the plain greedy tokens."
-    return f"Runs whose tokens differ from plain greedy's: {', '.join(differing)}."
 
 
 def _lookahead_bullets(data: dict) -> str:
