@@ -9,7 +9,11 @@ values, and hands everything attention needs to a backend:
 
 `mask=None` means plain causal attention where the T queries are the last T of the S
 keys. Anything else (padding, rows of different lengths, a token tree) arrives as an
-explicit boolean mask, True where a query may attend to a key. A backend is any
+explicit boolean mask, True where a query may attend to a key. A continuous-batching
+step packs many sequences into one row and keeps their keys in a paged cache; it
+carries a `step.packed` description instead (`minillm.paged.PackedSequences`), which
+only a backend that reads paged caches handles (`minillm.paged.PagedAttention` wraps
+any other backend and takes those steps itself). A backend is any
 callable with that signature; `set_attention_backend` swaps it in every layer, so a
 paged, tree-aware, flash-style or compiled kernel is added without editing `model.py`.
 """
@@ -28,6 +32,7 @@ class AttentionStep:
 
     positions: torch.Tensor  # long [B, T]: each query's position in its sequence
     mask: torch.Tensor | None = None  # bool [B, T, S], True = may attend; None = causal, queries last
+    packed: object | None = None  # several sequences packed into one row over a paged cache (`minillm.paged`)
 
 
 def causal_mask_lower_right(num_queries: int, num_keys: int, device=None) -> torch.Tensor:

@@ -252,13 +252,18 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_emb.weight.dtype
 
-    def forward(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
+    def forward(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None,
+                packed=None):
         """tokens, positions [B, T]; mask: bool [B, T, S] (True = may attend) or None for causal.
+
+        `packed` (a `minillm.paged.PackedSequences`) says that the one row holds several
+        sequences back to back, whose keys live in a paged cache: continuous batching's step.
 
         The LM head is a 49152-wide matmul per position, so prefill asks for fewer rows:
         `last_only` computes logits at the final position alone ([B, 1, V]), and
         `logits_at` (long [B]) at one chosen position per row ([B, 1, V]; rows of
-        different lengths padded on the right). Logits are float32 whatever the model's dtype.
+        different lengths padded on the right), or (long [B, K]) at K positions per row
+        ([B, K, V]; a packed row's sequence ends). Logits are float32 whatever the model's dtype.
         """
         x = self.tok_emb(tokens)  # [B, T, d_model]
         rope = None
@@ -266,13 +271,14 @@ class Transformer(nn.Module):
             x = x + self.pos_emb(positions)
         else:
             rope = self.rope(positions, x.dtype)
-        step = AttentionStep(positions, mask)
+        step = AttentionStep(positions, mask, packed)
         for layer, block in enumerate(self.blocks):
             x = block(x, rope, layer, cache, step)
         if last_only:
             x = x[:, -1:]
         elif logits_at is not None:
-            x = x[torch.arange(len(x), device=x.device), logits_at][:, None]  # [B, 1, d_model]
+            rows = torch.arange(len(x), device=x.device)
+            x = x[rows, logits_at][:, None] if logits_at.dim() == 1 else x[rows[:, None], logits_at]  # [B, K, d_model]
         return self.lm_head(self.norm_f(x)).float()  # [B, T, vocab]
 
     def num_weight_bytes(self) -> int:

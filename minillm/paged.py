@@ -35,11 +35,10 @@ Two rules keep shared blocks read-only. Only full blocks are shared: a sequence 
 into its own partial last block. And the last token of a new sequence is never a hit:
 its logits are needed, so it is computed again, into a block of its own.
 
-The contract with the caller (the engine): a block's hash is registered as soon as its
-tokens are known (at `allocate`, or the `append` that fills it), before its keys are
-written; the caller writes them in the very next forward. Within one forward every layer
-writes all new keys before any sequence's attention reads them, so a sequence admitted
-in the same step that hits the block reads finished keys.
+A block joins the prefix cache only once its keys are written: the caller (the engine)
+says how far a sequence's keys are computed with `mark_computed` after each forward.
+Registering earlier, when the tokens are known, would let another request hit a block
+whose keys a chunked prefill has not reached yet.
 
 Here: `BlockManager` (bookkeeping only: which blocks each sequence holds, reference
 counts, the prefix cache), `PagedKVCache` (the per-layer block pools: write at slots,
@@ -56,6 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -64,6 +64,7 @@ class _SequenceState:
     table: list[int]  # its block table: block ids in token order
     hashes: list[int]  # chained hash of each of its full blocks
     cached_tokens: int  # leading tokens whose keys came from the prefix cache at allocation
+    registered: int  # leading full blocks entered in the prefix cache (their keys are written)
 
 
 @dataclass
@@ -177,11 +178,8 @@ class BlockManager:
                 del self._free[block]
             self.ref_counts[block] += 1
         table = plan.hits + [self._take_free_block() for _ in range(plan.blocks - len(plan.hits))]
-        for i in range(len(plan.hits), len(plan.full)):
-            block_hash, block_tokens = plan.full[i]
-            self._register(table, i, block_hash, block_tokens)
         cached = len(plan.hits) * self.block_size
-        self._seqs[seq_id] = _SequenceState(tokens, table, [h for h, _ in plan.full], cached)
+        self._seqs[seq_id] = _SequenceState(tokens, table, [h for h, _ in plan.full], cached, len(plan.hits))
         self.prompt_tokens += len(tokens)
         self.prefix_hit_tokens += cached
         return list(table)
@@ -189,7 +187,8 @@ class BlockManager:
     def append(self, seq_id, token: int) -> int:
         """Reserve the slot for one more token; returns the slot (a row of the pool).
 
-        Takes a free block when the last one is full; a block this token fills joins the prefix cache.
+        Takes a free block when the last one is full. A block this token fills joins the
+        prefix cache once `mark_computed` says its keys are written.
         """
         seq = self._seq(seq_id)
         n = len(seq.tokens)
@@ -203,8 +202,17 @@ class BlockManager:
         if (n + 1) % self.block_size == 0:
             block_tokens = tuple(seq.tokens[-self.block_size:])
             seq.hashes.append(self.hash_fn((seq.hashes[-1] if seq.hashes else None, block_tokens)))
-            self._register(seq.table, len(seq.table) - 1, seq.hashes[-1], block_tokens)
         return seq.table[n // self.block_size] * self.block_size + n % self.block_size
+
+    def mark_computed(self, seq_id, n_tokens: int) -> None:
+        """The keys of the sequence's first n_tokens are written: its full blocks among them join the prefix cache."""
+        seq = self._seq(seq_id)
+        if not 0 <= n_tokens <= len(seq.tokens):
+            raise ValueError(f"mark_computed({seq_id!r}, {n_tokens}): the sequence holds {len(seq.tokens)} tokens")
+        bs = self.block_size
+        for i in range(seq.registered, n_tokens // bs):
+            self._register(seq.table, i, seq.hashes[i], tuple(seq.tokens[i * bs : (i + 1) * bs]))
+        seq.registered = max(seq.registered, n_tokens // bs)
 
     def free(self, seq_id) -> None:
         """Release a finished, aborted or preempted sequence's blocks (shared ones stay with their other holders)."""
@@ -257,7 +265,7 @@ class BlockManager:
         return parent, block_tokens
 
     def _register(self, table: list[int], i: int, block_hash, block_tokens: tuple) -> None:
-        """Enter block i of `table`, just filled, into the prefix cache."""
+        """Enter block i of `table`, whose keys are written, into the prefix cache."""
         if block_hash not in self._cache:  # else another block already holds this prefix: keep that one
             block = table[i]
             self._cache[block_hash] = block
@@ -276,6 +284,62 @@ def slot_mapping(block_table, positions, block_size: int) -> torch.Tensor:
     return table[positions // block_size] * block_size + positions % block_size
 
 
+@dataclass
+class PackedSequences:
+    """One continuous-batching step: several sequences' new tokens packed into one row.
+
+    Sequence i contributes counts[i] new tokens at positions starts[i] .. starts[i] +
+    counts[i] - 1 (a prefill, a chunk of one, or a single decode token), so the row holds
+    N = sum(counts) tokens with no padding. Everything attention needs to find each
+    sequence's keys in the pool is computed once here, not once per layer.
+    """
+
+    slots: torch.Tensor  # long [N]: the pool row each new token's keys go to
+    positions: torch.Tensor  # long [N]: each new token's position in its own sequence
+    query_starts: list[int]  # sequence i's new tokens are row entries query_starts[i] .. query_starts[i + 1] - 1
+    key_lengths: list[int]  # keys sequence i attends over once this step's are written (starts + counts)
+    decode_queries: torch.Tensor  # long [D]: row entry of each one-token sequence's query
+    decode_key_slots: torch.Tensor  # long [D, L]: their keys' slots, padded to the longest with slot 0
+    decode_mask: torch.Tensor  # bool [D, 1, 1, L]: False at that padding
+    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (first, end, key slots [L], causal mask [n, L])
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], starts: list[int], counts: list[int], block_size: int,
+              device=None) -> "PackedSequences":
+        if not counts or min(counts) < 1:
+            raise ValueError(f"every packed sequence needs at least one new token, got counts {counts}")
+        key_lengths = [s + n for s, n in zip(starts, counts)]
+        query_starts = [0]
+        for n in counts:
+            query_starts.append(query_starts[-1] + n)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+        key_slots = [slot_mapping(table, torch.arange(length), block_size)
+                     for table, length in zip(block_tables, key_lengths)]
+        slots = torch.cat([ks[s:] for ks, s in zip(key_slots, starts)])
+        decode = [i for i, n in enumerate(counts) if n == 1]
+        longest = max((key_lengths[i] for i in decode), default=0)
+        decode_key_slots = torch.zeros(len(decode), longest, dtype=torch.long)
+        decode_mask = torch.zeros(len(decode), 1, 1, longest, dtype=torch.bool)
+        for row, i in enumerate(decode):
+            decode_key_slots[row, : key_lengths[i]] = key_slots[i]
+            decode_mask[row, ..., : key_lengths[i]] = True
+        chunks = [(query_starts[i], query_starts[i + 1], key_slots[i].to(device),
+                   torch.ones(n, key_lengths[i], dtype=torch.bool, device=device).tril(diagonal=starts[i]))
+                  for i, n in enumerate(counts) if n > 1]
+        return cls(slots.to(device), positions.to(device), query_starts, key_lengths,
+                   torch.tensor([query_starts[i] for i in decode], dtype=torch.long, device=device),
+                   decode_key_slots.to(device), decode_mask.to(device), chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
+
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        """long [num sequences]: the row entry of each sequence's last new token (where its logits are)."""
+        return torch.tensor(self.query_starts[1:], device=self.slots.device) - 1
+
+
 class PagedKVCache:
     """The per-layer block pools that `BlockManager`'s block ids index.
 
@@ -285,6 +349,13 @@ class PagedKVCache:
     tokens is one indexed copy at their slots and gathering a sequence is one indexed read.
     (A head-major [num_blocks, n_kv_head, block_size, head_dim] layout would need a
     two-index write and a copy to put a sequence's tokens back in order.)
+
+    As the model's cache (`model(..., cache=paged, packed=step)`), it honours the one call
+    the model makes, `update(layer, k_new, v_new)`: the engine first names the step with
+    `begin_step(packed)`, `update` writes the step's keys at its slots and returns the
+    layer's whole pool, and the attention backend (`PagedAttention`) reads each sequence's
+    keys out of it. Rolling back, reordering and freeing are the block manager's business:
+    a sequence's keys are wherever its block table says.
     """
 
     def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, num_blocks: int, block_size: int,
@@ -299,6 +370,19 @@ class PagedKVCache:
     def for_model(cls, model, num_blocks: int, block_size: int) -> "PagedKVCache":
         c = model.config
         return cls(c.n_layer, c.kv_heads, c.head_size, num_blocks, block_size, dtype=model.dtype, device=model.device)
+
+    def begin_step(self, packed: PackedSequences) -> None:
+        """The next forward writes these new tokens (at packed.slots)."""
+        self.step = packed
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k_new, v_new [1, KV, N, hd] (the packed row) -> stored; returns the layer's pools [slots, KV, hd]."""
+        step = getattr(self, "step", None)
+        if step is None or step.num_tokens != k_new.shape[2] or k_new.shape[0] != 1:
+            raise ValueError(f"a paged cache stores one packed row of the tokens named by begin_step(); got keys "
+                             f"of shape {list(k_new.shape)}: call begin_step(PackedSequences.build(...)) first")
+        self.write(layer, step.slots, k_new[0].transpose(0, 1), v_new[0].transpose(0, 1))
+        return self.slots_view(layer)
 
     def slots_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's pools as [num_blocks * block_size, n_kv_head, head_dim] views: row = slot."""
@@ -349,4 +433,62 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, block_tabl
     return out
 
 
-__all__ = ["BlockManager", "PagedKVCache", "blocks_for", "paged_attention", "slot_mapping"]
+def packed_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                     packed: PackedSequences) -> torch.Tensor:
+    """Attention for a packed step, each sequence over its own keys read from the pool.
+
+    q [1, H, N, hd]; k_slots, v_slots [num_slots, KV, hd] (a layer's pool, row = slot).
+    The one-token sequences (decodes) run as one batch: their keys gathered into
+    [D, KV, L, hd], padded to the longest and masked, and each KV head's `group` query
+    heads treated as `group` queries of that head, as `SDPABackend` decodes. Each longer
+    chunk (a prefill) runs alone, causal after the keys already in its sequence.
+    Returns [1, H, N, hd], the same as `paged_attention` gives (the reference).
+    """
+    H, hd = q.shape[1], q.shape[3]
+    KV = k_slots.shape[1]
+    group = H // KV
+    out = torch.empty_like(q)
+    D = len(packed.decode_queries)
+    if D:
+        queries = q[0, :, packed.decode_queries].transpose(0, 1).reshape(D, KV, group, hd)
+        keys = k_slots[packed.decode_key_slots].permute(0, 2, 1, 3)  # [D, KV, L, hd]
+        values = v_slots[packed.decode_key_slots].permute(0, 2, 1, 3)
+        y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=packed.decode_mask)  # [D, KV, group, hd]
+        out[0, :, packed.decode_queries] = y.reshape(D, H, hd).transpose(0, 1)
+    for first, end, key_slots, causal in packed.chunks:
+        keys = k_slots[key_slots].transpose(0, 1)[None]  # [1, KV, L, hd]
+        values = v_slots[key_slots].transpose(0, 1)[None]
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        out[:, :, first:end] = F.scaled_dot_product_attention(q[:, :, first:end], keys, values, attn_mask=causal)
+    return out
+
+
+class PagedAttention:
+    """An attention backend for packed steps over a paged cache, wrapping the model's own backend.
+
+    Steps that carry `step.packed` are computed by `packed_attention`; every other step
+    (plain, padded, tree) goes to the wrapped backend unchanged, so installing it never
+    changes what the rest of the course computes with the same model.
+    """
+
+    name = "paged"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, q, k, v, step):
+        if step.packed is None:
+            return self.inner(q, k, v, step)
+        return packed_attention(q, k, v, step.packed)
+
+    @staticmethod
+    def install(model) -> None:
+        """Wrap each attention layer's backend (once; a layer already wrapped is left alone)."""
+        for block in model.blocks:
+            if not isinstance(block.attn.backend, PagedAttention):
+                block.attn.backend = PagedAttention(block.attn.backend)
+
+
+__all__ = ["BlockManager", "PackedSequences", "PagedAttention", "PagedKVCache", "blocks_for", "packed_attention",
+           "paged_attention", "slot_mapping"]

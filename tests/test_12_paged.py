@@ -29,11 +29,13 @@ def weak_hash(key) -> int:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Admissions (often sharing a prefix), appends, completions and preemptions in any order.
+    """Admissions (often sharing a prefix), forwards, appends, completions and preemptions in any order.
 
     `holds[slot]` is the brute-force record: the whole prefix (tokens 0..p) whose keys the
     test last wrote into that slot. Keys at position p depend on exactly that prefix, so a
-    sequence may read a slot only if the record equals its own tokens[:p + 1].
+    sequence may read a slot only if the record equals its own tokens[:p + 1]. A forward
+    (`compute`) writes some of a sequence's pending keys, as a chunked prefill does, and
+    only then tells the manager (`mark_computed`): a hit on keys not yet written must never happen.
     """
 
     @initialize(num_blocks=st.integers(1, 10), block_size=st.integers(1, 4),
@@ -43,6 +45,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.manager = BlockManager(num_blocks, block_size, hash_fn)
         self.prefixes = prefixes  # shared "system prompts", so prefix hits happen
         self.tokens: dict[int, list[int]] = {}  # live sequence -> its tokens
+        self.computed: dict[int, int] = {}  # live sequence -> leading tokens whose keys are written
         self.waiting: list[list[int]] = []  # preempted sequences' tokens, to be recomputed
         self.holds: dict[int, tuple[int, ...]] = {}
         self.next_id = 0
@@ -74,9 +77,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         slots = slot_mapping(table, range(len(tokens)), m.block_size).tolist()
         for p in range(cached):  # a prefix hit: the slot must already hold this very prefix
             assert self.holds.get(slots[p]) == tuple(tokens[: p + 1]), f"hit at position {p} holds other keys"
-        for p in range(cached, len(tokens)):  # the prefill writes the rest
-            self.holds[slots[p]] = tuple(tokens[: p + 1])
         self.tokens[seq_id] = list(tokens)
+        self.computed[seq_id] = cached  # forwards (`compute`) write the rest
         self.admitted_tokens += len(tokens)
         self.hit_tokens += cached
         return True
@@ -89,11 +91,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
         prefix = data.draw(st.sampled_from(self.prefixes))
         self.admit(prefix + suffix)
 
-    @rule(data=st.data(), token=st.integers(0, 2))
-    def append(self, data, token):
-        if not self.tokens:
+    @rule(data=st.data())
+    def compute(self, data):  # a forward writes the keys of some pending tokens
+        pending = sorted(s for s, tokens in self.tokens.items() if self.computed[s] < len(tokens))
+        if not pending:
             return
-        m, seq_id = self.manager, self.pick(data)
+        m, seq_id = self.manager, data.draw(st.sampled_from(pending))
+        tokens, start = self.tokens[seq_id], self.computed[seq_id]
+        end = data.draw(st.integers(start + 1, len(tokens)))
+        slots = slot_mapping(m.block_table(seq_id), range(len(tokens)), m.block_size).tolist()
+        for p in range(start, end):
+            self.holds[slots[p]] = tuple(tokens[: p + 1])
+        m.mark_computed(seq_id, end)
+        self.computed[seq_id] = end
+
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append(self, data, token):  # a decoding sequence (all keys written) takes its next token
+        ready = sorted(s for s, tokens in self.tokens.items() if self.computed[s] == len(tokens))
+        if not ready:
+            return
+        m, seq_id = self.manager, data.draw(st.sampled_from(ready))
         tokens = self.tokens[seq_id]
         before = self.snapshot()
         if blocks_for(len(tokens) + 1, m.block_size) > m.num_blocks:
@@ -107,7 +124,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
             slot = m.append(seq_id, token)
             tokens.append(token)
             assert slot == slot_mapping(m.block_table(seq_id), [len(tokens) - 1], m.block_size).item()
-            self.holds[slot] = tuple(tokens)
             return
         assert self.snapshot() == before, "a refused append changed the pool"
 
@@ -116,7 +132,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.tokens:
             seq_id = self.pick(data)
             self.manager.free(seq_id)
-            del self.tokens[seq_id]
+            del self.tokens[seq_id], self.computed[seq_id]
 
     @rule(data=st.data())
     def preempt(self, data):  # free now, recompute everything later under a new id
@@ -124,6 +140,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             seq_id = self.pick(data)
             self.manager.free(seq_id)
             self.waiting.append(self.tokens.pop(seq_id))
+            del self.computed[seq_id]
 
     @rule(data=st.data())
     def readmit(self, data):
@@ -152,8 +169,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq_id, tokens in self.tokens.items():
             table = m.block_table(seq_id)
             assert len(table) == blocks_for(len(tokens), m.block_size) and m.num_tokens(seq_id) == len(tokens)
-            slots = slot_mapping(table, range(len(tokens)), m.block_size).tolist()
-            assert [self.holds.get(s) for s in slots] == [tuple(tokens[: p + 1]) for p in range(len(tokens))]
+            written = self.computed[seq_id]
+            slots = slot_mapping(table, range(written), m.block_size).tolist()
+            assert [self.holds.get(s) for s in slots] == [tuple(tokens[: p + 1]) for p in range(written)]
 
     @invariant()
     def counters_add_up(self):
@@ -178,6 +196,7 @@ test_block_manager_properties = BlockManagerMachine.TestCase
 def test_shared_prefix_reuses_its_full_blocks():
     m = BlockManager(num_blocks=8, block_size=4)
     a = m.allocate("a", list(range(10)))  # blocks: [0-3] [4-7] [8 9]
+    m.mark_computed("a", 10)  # its prefill wrote the keys
     b = m.allocate("b", list(range(8)) + [50, 51, 52])
     assert b[:2] == a[:2] and b[2] != a[2]
     assert m.cached_tokens("b") == 8 and m.prefix_hit_tokens == 8 and m.prompt_tokens == 21
@@ -189,14 +208,19 @@ def test_shared_prefix_reuses_its_full_blocks():
 def test_last_token_is_never_a_hit():
     m = BlockManager(num_blocks=8, block_size=4)
     a = m.allocate("a", list(range(8)))
+    m.mark_computed("a", 8)
     b = m.allocate("b", list(range(8)))  # block-aligned and identical: its last block is computed again
     assert m.cached_tokens("b") == 4 and b[0] == a[0] and b[1] != a[1]
 
 
-def test_a_block_filled_by_append_joins_the_prefix_cache():
+def test_a_block_joins_the_prefix_cache_once_its_keys_are_written():
     m = BlockManager(num_blocks=8, block_size=4)
     a = m.allocate("a", [7, 7, 7])
-    assert m.append("a", 8) == a[0] * 4 + 3 and m.is_cached(a[0])
+    m.mark_computed("a", 3)
+    assert m.append("a", 8) == a[0] * 4 + 3 and not m.is_cached(a[0]), "cached before the forward wrote its keys"
+    assert m.allocate("early", [7, 7, 7, 8, 1])[0] != a[0] and m.cached_tokens("early") == 0
+    m.mark_computed("a", 4)
+    assert m.is_cached(a[0])
     m.append("a", 9)  # starts a second block
     assert len(m.block_table("a")) == 2 and not m.is_cached(m.block_table("a")[1])
     assert m.allocate("b", [7, 7, 7, 8, 1])[0] == a[0] and m.cached_tokens("b") == 4
@@ -205,6 +229,7 @@ def test_a_block_filled_by_append_joins_the_prefix_cache():
 def test_freed_prefix_stays_cached_until_its_block_is_reused():
     m = BlockManager(num_blocks=4, block_size=2)
     a = m.allocate("a", [1, 2, 3, 4, 5])  # [1 2] [3 4] cached, [5] not
+    m.mark_computed("a", 5)
     m.free("a")
     assert m.free_blocks[0] == a[2], "a block holding nothing reusable is reused first"
     assert m.is_cached(a[0]) and m.is_cached(a[1]) and not m.is_cached(a[2])
@@ -213,6 +238,7 @@ def test_freed_prefix_stays_cached_until_its_block_is_reused():
     m.free("b")
     m.free("x")
     m.allocate("y", [8] * 7)  # needs all four blocks: the cached prefix is overwritten
+    m.mark_computed("y", 7)
     m.free("y")
     m.allocate("c", [1, 2, 3, 4, 5])
     assert m.cached_tokens("c") == 0, "a hit on a block whose storage was reused"
@@ -228,13 +254,16 @@ def test_a_hash_collision_never_hands_out_another_prefix():
     """
     m = BlockManager(num_blocks=8, block_size=2, hash_fn=lambda key: key[1])
     a = m.allocate("a", [1, 2, 3, 4])
+    m.mark_computed("a", 4)
     b = m.allocate("b", [1, 2, 3, 4])
     assert b[0] == a[0] and b[1] != a[1]
     m.append("b", 5)
     m.append("b", 6)
+    m.mark_computed("b", 6)
     b = m.block_table("b")
     m.free("b")
     x = m.allocate("x", [7, 7, 1])
+    m.mark_computed("x", 3)
     assert x[0] == b[1], "the uncached copy is reused first"
     c = m.allocate("c", [7, 7, 5, 6, 1])
     assert c[0] == x[0] and m.cached_tokens("c") == 2 and c[1] != b[2]
@@ -271,6 +300,7 @@ def test_unknown_and_duplicate_sequences_are_refused_clearly():
 def test_a_full_pool_refuses_without_changing_anything():
     m = BlockManager(num_blocks=3, block_size=2)
     m.allocate("a", [1, 2, 3])
+    m.mark_computed("a", 3)
     assert not m.can_allocate([4, 5, 6]) and m.can_allocate([4]) and m.can_allocate([1, 2, 4])  # a prefix hit
     with pytest.raises(RuntimeError, match="needs 2 free blocks, 1 are free"):
         m.allocate("b", [4, 5, 6])
@@ -335,6 +365,7 @@ def test_paged_attention_reads_shared_prefix_blocks():
     prompt_a, prompt_b = list(range(11)), list(range(7)) + [40, 41, 42, 43]
     k_a, v_a = torch.randn(n_kv_head, 11, head_dim), torch.randn(n_kv_head, 11, head_dim)
     table_a = m.allocate("a", prompt_a)
+    m.mark_computed("a", len(prompt_a))
     cache.write(0, slot_mapping(table_a, range(11), block_size), k_a.transpose(0, 1), v_a.transpose(0, 1))
     table_b = m.allocate("b", prompt_b)
     shared = m.cached_tokens("b")

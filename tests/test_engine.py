@@ -34,7 +34,7 @@ LAYERS = {
     "model": {"model", "attention", "kv_cache", "paged", "onednn", "loading", "tiny", "precision"},
     "decoding": {"settings", "sampling", "stopping", "detokenize"},
     "session": {"session", "generation", "batching"},
-    "strategies": {"infer", "speculative", "beam", "lookahead"},
+    "strategies": {"infer", "speculative", "beam", "lookahead", "scheduler", "engine"},
     "front ends": {"cli", "streaming", "bench", "report", "benchmarks", "__main__", "__init__"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
