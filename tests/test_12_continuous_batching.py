@@ -92,6 +92,16 @@ def test_every_request_equals_its_solo_run(tiny, pool):
             assert engine.prefix_hit_rate > 0.3
 
 
+def test_requests_admitted_in_one_step_share_their_prefix(tiny):
+    """The first request's prefill registers its full blocks before the forward; the others, admitted in the
+    same step, hit them and read keys that the same forward writes (each layer writes before it attends)."""
+    _, model = tiny
+    prompts = random_prompts(4, model.config.vocab_size, seed=8, shared=17, longest=6)
+    tokens, engine = run_engine(model, prompts, [GREEDY] * 4, [0] * 4, block_size=4, num_blocks=60)
+    assert tokens == solo_runs(model, prompts, [GREEDY] * 4)
+    assert engine.timeline[0].requests == [0, 1, 2, 3] and engine.manager.prefix_hit_tokens == 3 * 16
+
+
 def test_generate_continuous_returns_rows_in_input_order(tiny):
     _, model = tiny
     prompts = random_prompts(5, model.config.vocab_size, seed=5)
@@ -126,7 +136,7 @@ def test_packed_attention_equals_the_reference(data, block_size, group, n_kv_hea
     for table, n in zip(tables, lengths):
         cache.write(0, slot_mapping(table, range(n), block_size), keys[:n], values[:n])
     q = torch.randn(1, n_kv_head * group, packed.num_tokens, head_dim, generator=g)
-    out = packed_attention(q, *cache.slots_view(0), packed)
+    out = packed_attention(q, cache.k[0], cache.v[0], packed)
     for i, (stored, new) in enumerate(sequences):
         first, end = packed.query_starts[i], packed.query_starts[i + 1]
         positions = torch.arange(stored, stored + new)[None]
@@ -253,3 +263,7 @@ def test_default_model_requests_equal_their_solo_runs(default_model):
     assert tokens == solo
     assert engine.prefix_hit_rate > 0.3 and any(r.preemptions for r in engine.requests.values())
     assert_nothing_leaked(engine)
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("12_continuous_batching.ipynb", timeout=600)

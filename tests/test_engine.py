@@ -31,7 +31,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
 # Lowest first; a module may import from its own layer or any layer below it.
 LAYERS = {
     "weights": {"fetch", "tokenizer", "jsonio"},
-    "model": {"model", "attention", "kv_cache", "paged", "onednn", "loading", "tiny", "precision"},
+    "model": {"model", "attention", "attention_kernels", "attention_triton", "kv_cache", "paged", "onednn",
+              "loading", "tiny", "precision", "families"},
     "decoding": {"settings", "sampling", "stopping", "detokenize"},
     "session": {"session", "generation", "batching"},
     "strategies": {"infer", "speculative", "beam", "lookahead", "scheduler", "engine"},

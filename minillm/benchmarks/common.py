@@ -21,6 +21,8 @@ SUITES = {
     "batch": "minillm.benchmarks.batch",
     "speculative": "minillm.benchmarks.speculative",
     "lookahead": "minillm.benchmarks.lookahead",
+    "serving": "minillm.benchmarks.serving",
+    "attention": "minillm.benchmarks.attention",
     "regression": "minillm.benchmarks.regression",
 }
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -126,6 +128,19 @@ def save_png(fig, path, dpi: int = 100) -> None:
     rendered = io.BytesIO()
     fig.savefig(rendered, format="png", dpi=dpi)
     Image.open(rendered).convert("RGB").quantize(colors=256).save(path, format="png", optimize=True)
+
+
+def finish_figure(fig, path=None):
+    """Lay the figure out; with a path, save it as a PNG (`save_png`) and close it.
+
+    Returns the figure, which a notebook displays."""
+    fig.tight_layout()
+    if path is not None:
+        import matplotlib.pyplot as plt
+
+        save_png(fig, path)
+        plt.close(fig)
+    return fig
 
 
 def synchronize(device) -> None:

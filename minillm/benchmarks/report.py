@@ -371,12 +371,88 @@ def _lookahead_bullets(data: dict) -> str:
     return "\n".join(bullets)
 
 
+def serving_section(title: str, data: dict, links: dict) -> str:
+    ways = ("continuous", "continuous, no prefix cache", "static", "one at a time")
+    header = ["request rate", *ways]
+    body = []
+    for row in data["rows"]:
+        rate = "all at once" if row["rate"] is None else f"{row['rate']:g} req/s"
+        cells = [f"{row[way]['tokens_per_second']:.1f}, {row[way]['e2e']['p99']:.1f} s" if way in row else "—"
+                 for way in ways]
+        body.append([rate, *bold_max(cells, [row[way]["tokens_per_second"] if way in row else 0 for way in ways])])
+    workload = data["workload"]
+    return "\n\n".join([
+        heading(title, links,
+                f"{model_label(data['model'])}, {PRECISIONS.get(data['dtype'], data['dtype'])}, {data['requests']} "
+                f"requests per rate arriving as a Poisson process, each a chat prompt behind the same "
+                f"{workload['system_prompt_tokens']}-token system prompt, with long-tailed output lengths (EOS "
+                f"ignored); batch limit {data['max_batch']}, a paged pool of {data['engine']['num_blocks']} blocks "
+                f"of {data['engine']['block_size']} tokens. Each cell: output tokens/s over the run (first arrival "
+                "to last token), then the 99th-percentile end-to-end latency of a request; bold: the highest "
+                "throughput; one at a time is measured at saturation only."),
+        provenance(data), table(header, body), _serving_bullets(data)])
+
+
+def _serving_bullets(data: dict) -> str:
+    saturated = data["rows"][-1]
+    c, no_cache, static = saturated["continuous"], saturated["continuous, no prefix cache"], saturated["static"]
+    ratios = [row["throughput_vs_static"] for row in data["rows"]]
+    return "\n".join([
+        bullet(f"All requests at once: continuous batching serves {times(saturated['throughput_vs_static'])} static "
+               f"batching's throughput (over all rates: {span(ratios)}x), with a p99 latency of "
+               f"{c['e2e']['p99']:.1f} s against {static['e2e']['p99']:.1f} s and a median time to first token of "
+               f"{c['ttft']['p50']:.2f} s against {static['ttft']['p50']:.2f} s."),
+        bullet(f"KV memory: {percent(c['paged_used_share'])} of the slots in the blocks handed out hold keys "
+               f"(paged); reserving each request's maximum length contiguously, only "
+               f"{percent(c['contiguous_used_share'])} would (mean over the steps). At the peak the paged pool held "
+               f"{c['paged_peak_slots']} slots where the contiguous reservation needs {c['contiguous_peak_slots']}."),
+        bullet(f"The prefix cache served {percent(c['prefix_hit_rate'])} of the prompt tokens from blocks already "
+               f"computed; without it the same run gives {no_cache['tokens_per_second']:.1f} tok/s instead of "
+               f"{c['tokens_per_second']:.1f}."),
+    ])
+
+
+def attention_section(title: str, data: dict, links: dict) -> str:
+    rows, names = data["rows"], ("naive", "flash", "sdpa")
+    header = ["sequence length", *(str(row["length"]) for row in rows)]
+    body = [*([f"{name} ms", *(milliseconds(row["ms"][name]) for row in rows)] for name in names),
+            *([f"{name} peak MiB", *(f"{row['peak_mib'][name]:.1f}" for row in rows)] for name in names),
+            ["naive / flash GFLOP", *(f"{row['cost']['naive']['flops'] / 1e9:.2f} / "
+                                      f"{row['cost']['flash']['flops'] / 1e9:.2f}" for row in rows)]]
+    first, last = rows[0], rows[-1]
+    growth = {name: last["peak_mib"][name] / first["peak_mib"][name] for name in names}
+    ms, cost = last["ms"], last["cost"]
+    sweep = data["sweep"]
+    best = min(sweep["tiles"], key=lambda entry: entry["ms"])
+    error = max(max(row["max_abs_error_vs_sdpa"].values()) for row in rows)
+    text = (f"From {first['length']} to {last['length']} tokens ({last['length'] // first['length']}x) naive "
+            f"attention's peak memory grows {growth['naive']:.0f}x (it holds every score) and flash attention's "
+            f"{growth['flash']:.1f}x (one tile of scores, and the output). At {last['length']} tokens naive takes "
+            f"{times(ms['naive'] / ms['flash'])} flash's time and {times(ms['naive'] / ms['sdpa'])} SDPA's; flash "
+            f"computes {percent(cost['flash']['flops'] / cost['naive']['flops'])} of naive's FLOPs (it skips the "
+            f"tiles above the diagonal) and moves {percent(cost['flash']['bytes'] / cost['naive']['bytes'])} of its "
+            f"bytes. Among flash tiles of {span([entry['tile'] for entry in sweep['tiles']], digits=0)} at "
+            f"{sweep['length']} tokens, {best['tile']} was fastest ({milliseconds(best['ms'])} ms). Every output "
+            f"was within {error:.0e} of SDPA's.")
+    return "\n\n".join([
+        heading(title, links,
+                f"one causal prefill through one attention layer of {model_label(data['model'])}'s shape "
+                f"({data['heads']} query heads, {data['kv_heads']} key heads, head size {data['head_dim']}), "
+                f"{PRECISIONS.get(data['dtype'], data['dtype'])}, batch {data['batch']}, random q, k, v, "
+                f"{data['threads']} thread; flash tiles of {data['tile']}. Peak memory counts every tensor the "
+                "call allocates (the same on any machine); "
+                "GFLOP counts the products computed."),
+        provenance(data), table(header, body), paragraph(text)])
+
+
 SECTIONS = {  # suite: (title, the function writing its Markdown)
     "decode": ("Decoding at batch 1", decode_section),
     "cache-scaling": ("Cost per token as the sequence grows", cache_scaling_section),
     "batch": ("Batching", batch_section),
     "speculative": ("Speculative decoding", speculative_section),
     "lookahead": ("Lookahead decoding", lookahead_section),
+    "serving": ("Serving a stream of requests", serving_section),
+    "attention": ("Attention kernels", attention_section),
 }
 
 

@@ -1,0 +1,51 @@
+"""Lesson 17 exercises: write your answers here; `pytest lessons/17-model-families` checks them.
+
+Each function below is a stub. Replace its `raise NotImplementedError` with your answer; the check for that
+exercise skips until you do. Worked answers: solutions/17_model_families.py (try first!).
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Exercise 1: Gemma's norm by hand
+
+    Gemma's RMSNorm over the last dim of x [..., d]: x / sqrt(mean(x²) + eps) · (1 + weight), with the
+    statistics AND the scaling done in float32, and the result cast back to x's dtype at the very end.
+    (Llama casts the normalised x back first and then multiplies by weight: in bf16 the two differ.)
+
+    The check compares with `minillm.model.GemmaRMSNorm` and transformers' `Gemma3RMSNorm`, bit for bit, in
+    float32 and bfloat16, with a random weight (a zero weight, Gemma's initialisation, would hide a missing 1).
+    """
+    raise NotImplementedError
+
+
+def sliding_window_mask(positions: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """Exercise 2: The sliding-window mask
+
+    positions: long [B, T], each query's position; key j sits at cache column j, which is its position.
+    Return bool [B, T, num_keys]: True where query (b, t) may attend to key j: j is not in its future
+    (j <= positions[b, t]) and lies less than `window` positions back (positions[b, t] - j < window),
+    so each query sees at most `window` keys, itself included (transformers' rule).
+
+    The check compares with a brute-force loop and runs a tiny Mistral with your mask: its logits must equal
+    transformers' MistralForCausalLM on a prompt three windows long.
+    """
+    raise NotImplementedError
+
+
+def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Exercise 3: From neighbours to halves
+
+    GPT-J rotates neighbouring dims (0, 1), (2, 3), ... of the first `rotary_dim` dims of each head and leaves
+    the rest alone. minillm's RoPE rotates dims (i, i + head_dim/2) and gives the rest angle 0. Return the
+    order, long [head_dim], such that head[..., order] puts every GPT-J pair (2i, 2i + 1) at (i, i + head_dim/2)
+    for i < rotary_dim/2, and the (head_dim - rotary_dim) unrotated dims in the places left over, in order:
+    the first half of them right after the first rotary_dim/2 dims, the second half at the end.
+
+    The check compares with `minillm.families.rotary_order` and rotates random q and k both ways: the scores
+    q·k must agree (reordering q and k alike changes no dot product).
+    """
+    raise NotImplementedError

