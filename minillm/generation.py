@@ -32,7 +32,7 @@ class RowOutput:
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids, including the EOS or stop-completing token
     text: str  # generated text without EOS and without the stop string
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop" or "length" ("abort": a request the engine was told to abort)
 
     @classmethod
     def from_state(cls, state: RowState) -> "RowOutput":
