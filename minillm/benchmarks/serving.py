@@ -38,10 +38,10 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 from tqdm.auto import tqdm
 
-from .common import plot_title, save_png
+from .common import finish_figure, plot_title
 from ..engine import Engine, kv_bytes_per_token
 from ..infer import generate
 from ..sampling import SamplingConfig
@@ -146,14 +146,8 @@ def serve_static(model, workload: list[Arrival], max_batch: int) -> list[Served]
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (linear interpolation, as NumPy's default); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    """The q-th percentile (NumPy's linear interpolation); None for no values."""
+    return float(np.percentile(values, q)) if values else None
 
 
 def summarize(served: list[Served], slo_ttft: float, slo_tpot: float) -> dict:
@@ -327,6 +321,4 @@ def plot(data: dict, path) -> None:
     fig.suptitle(plot_title("Serving a stream of requests", data, data["dtype"]) +
                  f"\n{data['requests']} requests per rate sharing a {data['workload']['system_prompt_tokens']}-token "
                  f"system prompt, long-tailed output lengths, batch limit {data['max_batch']}", fontsize=10)
-    fig.tight_layout()
-    save_png(fig, path)
-    plt.close(fig)
+    finish_figure(fig, path)
