@@ -172,6 +172,20 @@ class Engine:
         """The request's tokens and text so far (final once it has finished)."""
         return self._request(request_id).output()
 
+    def release(self, request_id) -> RowOutput:
+        """Forget a finished request and return its output.
+
+        The engine keeps finished requests so that `output` can be read after the last
+        event; a long-running server releases each one once it has answered, or its
+        memory would grow with every request served.
+        """
+        request = self._request(request_id)
+        if not request.state.finished:
+            raise ValueError(f"request {request_id} is still running: abort it first, or release it once it "
+                             f"has finished")
+        del self.requests[request_id]
+        return request.output()
+
     def has_unfinished(self) -> bool:
         """Whether `step()` has anything left to do or report."""
         return self.scheduler.has_unfinished or bool(self._pending)

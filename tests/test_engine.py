@@ -36,7 +36,8 @@ LAYERS = {
     "decoding": {"settings", "sampling", "stopping", "detokenize"},
     "session": {"session", "generation", "batching"},
     "strategies": {"infer", "speculative", "beam", "lookahead", "scheduler", "engine"},
-    "front ends": {"cli", "streaming", "bench", "report", "benchmarks", "__main__", "__init__"},
+    "front ends": {"cli", "streaming", "bench", "report", "benchmarks", "__main__", "__init__", "async_engine",
+                   "openai_api", "serve", "loadtest"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 

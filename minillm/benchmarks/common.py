@@ -22,6 +22,7 @@ SUITES = {
     "speculative": "minillm.benchmarks.speculative",
     "lookahead": "minillm.benchmarks.lookahead",
     "serving": "minillm.benchmarks.serving",
+    "server": "minillm.benchmarks.server",
     "attention": "minillm.benchmarks.attention",
     "regression": "minillm.benchmarks.regression",
 }

@@ -445,6 +445,41 @@ def attention_section(title: str, data: dict, links: dict) -> str:
         provenance(data), table(header, body), paragraph(text)])
 
 
+def server_section(title: str, data: dict, links: dict) -> str:
+    c, soak = data["concurrency"], data["soak"]
+
+    def ms(value) -> str:
+        return "—" if value is None else f"{value * 1000:.0f} ms"
+
+    header = ["load", "output tok/s", "TTFT p50 / p99", "TPOT p50 / p99", "end-to-end p99", "failed"]
+    rows = []
+    for label, run in (("1 client, one request at a time", c["single"]),
+                       (f"{data['clients']} clients at once", c["crowd"]),
+                       *((f"{r['rate']:g} req/s, Poisson", r) for r in data["rates"])):
+        rows.append([label, f"{run['tokens_per_second']:.1f}", f"{ms(run['ttft']['p50'])} / {ms(run['ttft']['p99'])}",
+                     f"{ms(run['tpot']['p50'])} / {ms(run['tpot']['p99'])}", f"{run['e2e']['p99']:.1f} s",
+                     str(run["failed"])])
+    return "\n\n".join([
+        heading(title, links,
+                f"`python -m minillm.serve` ({model_label(data['model'])}, {PRECISIONS.get(data['dtype'], data['dtype'])}) "
+                f"in its own process, driven over loopback by `minillm.loadtest`'s streaming chat clients; "
+                f"{data['tokens_per_request']} tokens per request in the client rows, the lesson 12 workload (a shared "
+                "system prompt, long-tailed answers) in the rate rows. TTFT: time to first token; TPOT: time per "
+                "output token after the first."),
+        provenance(data), table(header, rows),
+        "\n".join([
+            bullet(f"{data['clients']} concurrent streaming clients get {times(c['speedup'])} the output throughput "
+                   f"of one client, each waiting {ms(c['crowd']['tpot']['p50'])} per token instead of "
+                   f"{ms(c['single']['tpot']['p50'])}."),
+            bullet(f"Soak: {soak['seconds']:.0f} s of mixed traffic from {soak['clients']} clients: "
+                   f"{soak['well_formed']} well-formed requests ({soak['well_formed_failed']} failed), "
+                   f"{soak['abandoned']} clients hanging up mid-stream, {soak['malformed']} malformed or impossible "
+                   f"requests ({soak['malformed_wrong_status']} answered other than documented); "
+                   f"{soak['server_errors']} 5xx answers; afterwards {soak['requests_held_after']} requests and "
+                   f"{soak['blocks_leaked']} KV blocks still held."),
+        ])])
+
+
 SECTIONS = {  # suite: (title, the function writing its Markdown)
     "decode": ("Decoding at batch 1", decode_section),
     "cache-scaling": ("Cost per token as the sequence grows", cache_scaling_section),
@@ -452,6 +487,7 @@ SECTIONS = {  # suite: (title, the function writing its Markdown)
     "speculative": ("Speculative decoding", speculative_section),
     "lookahead": ("Lookahead decoding", lookahead_section),
     "serving": ("Serving a stream of requests", serving_section),
+    "server": ("The HTTP server under load", server_section),
     "attention": ("Attention kernels", attention_section),
 }
 

@@ -34,39 +34,16 @@ contiguously would take, and the share of prompt tokens the prefix cache served.
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from .common import finish_figure, plot_title
 from ..engine import Engine, kv_bytes_per_token
 from ..infer import generate
+from ..loadtest import LONG_OUTPUTS, LONG_SHARE, SHORT_OUTPUTS, SYSTEM_PROMPT, chat_workload, percentile
 from ..sampling import SamplingConfig
-
-SYSTEM_PROMPT = (
-    "You are the help desk of the Riverside Public Library. Answer questions about opening hours, borrowing, "
-    "renewals, fines, events and the catalogue. Opening hours: Monday to Friday 9:00 to 20:00, Saturday 10:00 to "
-    "17:00, closed on Sundays and public holidays. Members may borrow up to twelve items at a time: books for "
-    "three weeks, films and games for one week. Items can be renewed twice online or at the desk unless another "
-    "member has reserved them. There are no fines for late books, but a lost or damaged item is charged at its "
-    "replacement cost. Children's story time is every Wednesday at 10:30; the chess club meets on Thursdays at "
-    "18:00; the computer room can be booked for two hours a day. Be brief, friendly and precise, and if you do "
-    "not know an answer, say so and suggest asking a librarian at the front desk. "
-)
-QUESTIONS = (
-    "Can I renew a book that someone else has reserved?", "When does story time start?",
-    "How many films can I borrow at once, and for how long?", "Is the library open on Sunday afternoons?",
-    "What happens if I lose a library book?", "Can I use a computer for the whole afternoon?",
-    "Do you have a chess club for beginners, and when does it meet?", "I returned a book two weeks late. "
-    "How much do I owe?", "Can my ten-year-old borrow video games on her own card?",
-    "What time do you close on Saturday?", "How do I renew my loans online?",
-    "Is there anything for toddlers on Wednesday mornings?",
-)
-SHORT_OUTPUTS, LONG_OUTPUTS, LONG_SHARE = (8, 48), (128, 256), 0.2  # most answers short, a fifth long
-
 
 @dataclass
 class Arrival:
@@ -79,18 +56,10 @@ class Arrival:
 
 def make_workload(tokenizer, n: int, rate: float, seed: int = 0, burstiness: float = 1.0,
                   outputs: tuple = (SHORT_OUTPUTS, LONG_OUTPUTS, LONG_SHARE)) -> list[Arrival]:
-    """n requests at `rate` per second (math.inf: all at once), the same draws for every way of serving."""
-    rng = random.Random(seed)
-    (short, long, long_share) = outputs
-    t, arrivals = 0.0, []
-    for i in range(n):
-        if i and math.isfinite(rate):
-            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))  # mean 1 / rate
-        chat = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": rng.choice(QUESTIONS)}]
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(chat))
-        new_tokens = rng.randint(*(long if rng.random() < long_share else short))
-        arrivals.append(Arrival(t, prompt, new_tokens))
-    return arrivals
+    """n requests at `rate` per second (math.inf: all at once), the same draws for every way of serving:
+    the load test's chat workload (`minillm.loadtest`), tokenized through the chat template."""
+    return [Arrival(r.at, tokenizer.encode(tokenizer.apply_chat_template(r.messages)), r.max_tokens)
+            for r in chat_workload(n, rate, seed, burstiness, outputs)]
 
 
 @dataclass
@@ -143,11 +112,6 @@ def serve_static(model, workload: list[Arrival], max_batch: int) -> list[Served]
                 rows[event.row].token_times.append(time.perf_counter())
         served += rows
     return served
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (NumPy's linear interpolation); None for no values."""
-    return float(np.percentile(values, q)) if values else None
 
 
 def summarize(served: list[Served], slo_ttft: float, slo_tpot: float) -> dict:
