@@ -2,7 +2,8 @@
 
 The package is layered; a module imports only from its own layer or below:
 
-    front ends   cli, __main__, streaming, bench, benchmarks/, report
+    front ends   cli, __main__, streaming, serve (HTTP), openai_api, async_engine, loadtest, bench, benchmarks/,
+                 report
     strategies   infer (generate), speculative, lookahead, beam, scheduler, engine (continuous batching)
     session      session (DecodeSession), generation (events, outputs, prompts), batching
     decoding     settings, sampling, stopping, detokenize

@@ -58,10 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true",
                    help="run the plain from-scratch model, without the fast paths swapped in after loading "
                         "(oneDNN float32 matmuls on CPU); same tokens, slower")
+    p.add_argument("--compile", action="store_true",
+                   help="run the model as compiled graphs (lesson 15): torch.compile over a fixed-shape static "
+                        "cache; the first run compiles for a minute or more, later decode steps are faster; same "
+                        "tokens; plain generation with --cache static only")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive", "flash"),
                    help="attention kernel (lesson 16): 'sdpa' (PyTorch's, default), 'naive' (the full score "
                         "matrix, memory grows with the square of the length) or 'flash' (tiled, online softmax); "
                         "same tokens")
+    p.add_argument("--quant", default="none", choices=("none", "int8", "int4", "gguf", "dynamic-int8"),
+                   help="quantized linears (lesson 14), swapped in after loading, CPU only: 'int8' / 'int4' weights "
+                        "(int4 in groups of 32, the LM head int8) computing in bfloat16, 'gguf' (the GGUF's own Q4_1 blocks run as "
+                        "they are stored: the default model or a .gguf file), 'dynamic-int8' (int8 weights and "
+                        "activations); close to the float model, not identical")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when the model has one)")
@@ -197,6 +206,9 @@ def check_flag_combinations(args) -> None:
                 raise ValueError(f"{flag} applies to --speculative lookahead only")
         if args.num_draft_tokens is not None:
             check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
+    if args.compile and (args.speculative or args.num_beams > 1 or args.cache != "static"):
+        raise ValueError("--compile applies to plain generation over the static cache: drop --speculative, "
+                         "--num-beams or --cache")
     if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 
@@ -272,6 +284,10 @@ def run(args) -> int:
     check_flag_combinations(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain)
     set_attention_backend(model, make_backend(args.attention))
+    if args.quant != "none":
+        from .quant_gguf import apply_quantization
+
+        apply_quantization(model, args.quant, args.model)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
     texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in prompts]
@@ -294,7 +310,7 @@ def run(args) -> int:
                                    streamer=PrintStreamer() if stream else None, **budget)
     else:
         out = generate_in_batches(model, texts, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
-                                  streamer=PrintStreamer() if stream else None)
+                                  streamer=PrintStreamer() if stream else None, compile=args.compile)
     per_prompt = beam["num_return_sequences"] if beam else 1
     for i, row in enumerate(out.rows):
         prompt = prompts[i // per_prompt]
@@ -337,6 +353,29 @@ def negative_values_attached(parser: argparse.ArgumentParser, argv: list[str]) -
             out.append(argv[i])
             i += 1
     return out
+
+
+def run_command(parser: argparse.ArgumentParser, run, argv=None) -> int:
+    """Parse `argv` and return `run(args)`, with every failure one line on stderr and an exit status.
+
+    The promise of each `python -m minillm.X` command (serve, export, ...): --help exits 0, a
+    bad flag or a bad value 2, Ctrl-C 130, never a traceback (MINILLM_DEBUG=1 shows it).
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        args = parser.parse_args(negative_values_attached(parser, sys.argv[1:] if argv is None else list(argv)))
+    except SystemExit as e:
+        return e.code
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\nminillm: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("MINILLM_DEBUG"):
+            raise
+        print(f"minillm: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None) -> int:

@@ -30,6 +30,7 @@ import time
 import torch
 
 from .batching import length_sorted_chunks
+from .compile import compile_model, context_bucket
 from .generation import (GenerationEvent, GenerationOutput, GenerationStats, RowOutput, check_prompts, drain,
                          encode_prompts)
 from .sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows
@@ -61,9 +62,13 @@ class Generation:
     """
 
     def __init__(self, model, prompts, config=None, *, tokenizer=None, cache: str = "static",
-                 window_slide: int = 1, **config_overrides):
+                 window_slide: int = 1, compile: bool = False, **config_overrides):
         if window_slide < 1:
             raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
+        if compile and cache != "static":
+            raise ValueError(f"compile=True runs over the static cache, not cache={cache!r}: use cache='static'")
+        if compile:
+            model = compile_model(model)
         self.model, self.tokenizer, self.window_slide = model, tokenizer, window_slide
         self.prompt_ids = encode_prompts(prompts, tokenizer)
         check_prompts(self.prompt_ids, model.config.block_size, model.config.vocab_size)
@@ -72,7 +77,11 @@ class Generation:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
         self.states = [RowState.for_config(ids, c, tokenizer) for ids, c in zip(self.prompt_ids, self.configs)]
         longest = max(len(p) + c.max_new_tokens for p, c in zip(self.prompt_ids, self.configs))
-        self.session = DecodeSession(model, cache, max_len=longest)
+        if compile:  # one cache length per bucket, so most runs reuse the graphs already compiled
+            self.session = DecodeSession(model, cache, max_len=context_bucket(longest, model.config.block_size),
+                                         fixed_shape=True)
+        else:
+            self.session = DecodeSession(model, cache, max_len=longest)
         self.stats = GenerationStats(prompt_tokens=sum(map(len, self.prompt_ids)))
         self.output: GenerationOutput | None = None
         self.started = False
@@ -137,7 +146,7 @@ class Generation:
 
 def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | None = None, *, tokenizer=None,
              cache: str = "static", streamer=None, window_slide: int = 1, stream: bool = False,
-             **config_overrides):
+             compile: bool = False, **config_overrides):
     """Generate a continuation for each prompt.
 
     prompts: a string, a list (or 1-D tensor) of token ids, or a list of either (a batch).
@@ -149,11 +158,13 @@ def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | Non
     streamer: an object with `put(row, text)` and `end()` that receives final text as it forms.
     window_slide: how far the context window moves when a row outgrows `block_size`.
     stream: return the `Generation` to iterate over its events instead of running it.
+    compile: run the model as compiled graphs over a fixed-shape static cache (lesson 15,
+        `minillm.compile`); the first call compiles (slow), later ones reuse the graphs.
 
     Returns a GenerationOutput (or, with stream=True, the Generation).
     """
     run = Generation(model, prompts, config, tokenizer=tokenizer, cache=cache, window_slide=window_slide,
-                     **config_overrides)
+                     compile=compile, **config_overrides)
     if stream:
         return run
     return drain(run, streamer)

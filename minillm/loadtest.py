@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from .cli import OneLineParser, run_command
+
 SYSTEM_PROMPT = (
     "You are the help desk of the Riverside Public Library. Answer questions about opening hours, borrowing, "
     "renewals, fines, events and the catalogue. Opening hours: Monday to Friday 9:00 to 20:00, Saturday 10:00 to "
@@ -167,8 +169,6 @@ def summarize(outcomes: list[Outcome], slo_ttft: float, slo_tpot: float) -> dict
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import OneLineParser
-
     p = OneLineParser(prog="python -m minillm.loadtest",
                       description="Load-test an OpenAI-compatible server with streaming chat requests.")
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
@@ -187,10 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser(), run, argv)
+
+
+def run(args) -> int:
     if args.num_requests < 1 or (args.concurrency is not None and args.concurrency < 1) or not args.rate > 0:
-        print("minillm: error: --num-requests and --concurrency must be >= 1 and --rate > 0", file=sys.stderr)
-        return 2
+        raise ValueError(f"--num-requests {args.num_requests}, --concurrency {args.concurrency}, --rate {args.rate}: "
+                         f"the first two must be >= 1 and the rate > 0")
     workload = chat_workload(args.num_requests, args.rate, args.seed)
     outcomes = asyncio.run(run_load(args.base_url, args.model, workload, args.concurrency))
     metrics = summarize(outcomes, args.slo_ttft, args.slo_tpot)

@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import socket
 import sys
 import time
@@ -42,7 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, EngineFailed, QueueFull, Submitted
-from .cli import OneLineParser
+from .cli import OneLineParser, run_command
 from .engine import Engine, kv_bytes_per_token
 from .generation import GenerationEvent
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, SamplingParameters, chat_choice,
@@ -453,6 +451,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # listening holds the port: another server cannot bind it meanwhile
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): is another server running there? "
@@ -493,22 +492,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return e.code
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("\nminillm: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # one clear line, as the CLI does
-        if os.environ.get("MINILLM_DEBUG"):
-            raise
-        print(f"minillm: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

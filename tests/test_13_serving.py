@@ -273,6 +273,44 @@ def test_short_soak_of_good_bad_and_abandoned_requests(tiny_server):
     wait_until_idle(tiny_server)
 
 
+def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(tiny_model):
+    model, tokenizer = tiny_model
+    with BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=64, block_size=8) as server:
+        step = server.engine.step
+        failures = iter([True])
+
+        def failing_once():
+            if next(failures, False):
+                raise RuntimeError("a simulated bug")
+            return step()
+
+        server.engine.step = failing_once
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        broken = httpx.post(server.base_url + "/completions", json=body)
+        assert broken.status_code == 500 and "a simulated bug" in broken.json()["error"]["message"]
+        assert broken.json()["error"]["type"] == "server_error"
+        wait_until_idle(server)
+        fine = httpx.post(server.base_url + "/completions", json=body)
+        assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 5
+
+
+def test_release_forgets_only_finished_requests(tiny_model):
+    from minillm.engine import Engine
+
+    model, tokenizer = tiny_model
+    engine = Engine(model, tokenizer, num_blocks=16, block_size=8)
+    request = engine.add_request("Hello", max_new_tokens=3)
+    with pytest.raises(ValueError, match="still running"):
+        engine.release(request)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.release(request).token_ids == generate(model, "Hello", tokenizer=tokenizer,
+                                                          max_new_tokens=3).rows[0].token_ids
+    assert engine.requests == {} and engine.manager.num_free == 16
+    with pytest.raises(ValueError, match="unknown request"):
+        engine.output(request)
+
+
 # ---------------------------------------------------------------------------------------------- the mapping
 
 def test_openai_parameters_map_onto_sampling_config():
@@ -303,3 +341,38 @@ def test_the_four_prompt_forms(default_model):
     assert completion_prompts(["Hello there", "Hi"], tokenizer) == [ids, tokenizer.encode("Hi")]
     assert completion_prompts(ids, tokenizer) == [ids]
     assert completion_prompts([ids, [1, 2]], tokenizer) == [ids, [1, 2]]
+
+
+# ---------------------------------------------------------------------------------------------- command lines
+
+def test_serve_command_line_errors_are_one_line(capsys):
+    from minillm.serve import bind, main
+
+    assert main(["--port", "70000"]) == 2
+    taken = bind("127.0.0.1", 0)
+    try:
+        assert main(["--port", str(taken.getsockname()[1])]) == 2  # refused before the model loads
+    finally:
+        taken.close()
+    assert main(["--max-num-seqs", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("minillm: error: ") for line in lines), lines
+    assert "--port 70000" in lines[0] and "Pick another --port" in lines[1] and "--max-num-seqs 0" in lines[2]
+
+
+def test_loadtest_command_line_measures_a_server(default_model, capsys):
+    from minillm.loadtest import main
+
+    _, tokenizer = default_model
+    _, model = tiny_pair("llama", seed=3, vocab_size=49152, block_size=1024)  # room for the workload's prompts
+    with BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=256, block_size=16) as server:
+        assert main(["--base-url", server.base_url, "--model", "tiny", "--num-requests", "4", "--concurrency", "2",
+                     "--json"]) == 0
+        wait_until_idle(server)
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["requests"] == 4 and metrics["failed"] == 0 and metrics["statuses"] == [200]
+    assert metrics["output_tokens"] > 0 and metrics["ttft"]["p50"] > 0
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("13_serving.ipynb", timeout=600)

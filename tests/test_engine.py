@@ -32,12 +32,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
 LAYERS = {
     "weights": {"fetch", "tokenizer", "jsonio"},
     "model": {"model", "attention", "attention_kernels", "attention_triton", "kv_cache", "paged", "onednn",
-              "loading", "tiny", "precision", "families"},
+              "loading", "tiny", "precision", "families", "compile", "quant", "quant_gguf", "mx", "quality"},
     "decoding": {"settings", "sampling", "stopping", "detokenize"},
     "session": {"session", "generation", "batching"},
-    "strategies": {"infer", "speculative", "beam", "lookahead", "scheduler", "engine"},
+    "strategies": {"infer", "speculative", "beam", "lookahead", "scheduler", "engine", "onnx_runner"},
     "front ends": {"cli", "streaming", "bench", "report", "benchmarks", "__main__", "__init__", "async_engine",
-                   "openai_api", "serve", "loadtest"},
+                   "openai_api", "serve", "loadtest", "export"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 

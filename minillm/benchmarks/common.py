@@ -24,6 +24,8 @@ SUITES = {
     "serving": "minillm.benchmarks.serving",
     "server": "minillm.benchmarks.server",
     "attention": "minillm.benchmarks.attention",
+    "compile": "minillm.benchmarks.compile",
+    "quant": "minillm.benchmarks.quant",
     "regression": "minillm.benchmarks.regression",
 }
 REPO = Path(__file__).resolve().parent.parent.parent

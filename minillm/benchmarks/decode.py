@@ -32,7 +32,7 @@ from ..model import causal_positions
 from .batch import TEXT
 
 
-class _TokenClock:
+class TokenClock:
     """A transformers streamer noting when each new token arrives (its first call is the prompt)."""
 
     def __init__(self):
@@ -61,7 +61,7 @@ def _transformers(hf_model, prompt, new_tokens, device, record, **generate_kwarg
     tokens = torch.tensor([prompt], device=device)
 
     def run():
-        clock = _TokenClock()
+        clock = TokenClock()
         out = hf_model.generate(tokens, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                 streamer=clock, **generate_kwargs)
         synchronize(device)

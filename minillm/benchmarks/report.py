@@ -480,6 +480,70 @@ def server_section(title: str, data: dict, links: dict) -> str:
         ])])
 
 
+def compile_section(title: str, data: dict, links: dict) -> str:
+    results = data["results"]
+    names = ("minillm eager", "minillm compiled", "onnxruntime", "transformers")
+    header = ["precision", *(f"{name} tok/s" for name in names), "compiled / eager", "compiled, share of roofline",
+              "compile s", "export s"]
+    rows, notes = [], []
+    for dtype, res in results.items():
+        c = res["contenders"]
+        compiled = c["minillm compiled"]
+        rows.append([PRECISIONS.get(dtype, dtype),
+                     *(f"{c[name]['tokens_per_second']:.1f}" if name in c else "—" for name in names),
+                     f"**{times(compiled['speedup_vs_eager'])}**", percent(compiled["roofline_fraction"]),
+                     f"{res['compile_seconds']:.0f}", f"{res['onnx']['export_seconds']:.0f}"])
+        prefill = ", ".join(f"{name} {milliseconds(1000 * c[name]['prefill_seconds'])}" for name in names if name in c)
+        notes.append(bullet(f"{PRECISIONS.get(dtype, dtype)} prefill of {data['prefill_tokens']} tokens (ms): "
+                            f"{prefill}."))
+        if "unsupported" in res["onnx"]:
+            notes.append(bullet(f"onnxruntime's CPU provider could not run the {PRECISIONS.get(dtype, dtype)} "
+                                f"graphs: `{res['onnx']['unsupported']}`."))
+        differing = [f"{name} ({PRECISIONS.get(dtype, dtype)})" for name, row in c.items()
+                     if not row["same_tokens_as_eager"]]
+        if differing:
+            notes.append(bullet(f"Tokens differing from eager minillm: {', '.join(differing)} (in reduced "
+                                "precision fused kernels round differently from separate ops; in FP32 they must "
+                                "match)."))
+    notes.append(bullet(f"llama.cpp: {data['llama_cpp']}."))
+    return "\n\n".join([
+        heading(title, links,
+                f"{model_label(data['model'])}, {data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, "
+                f"greedy, batch 1, decode tokens/s; every graph over a cache of {data['context']} tokens. Compile "
+                "and export are one-off costs, paid before the first token."),
+        provenance(data), table(header, rows), "\n".join(notes)])
+
+
+def quant_section(title: str, data: dict, links: dict) -> str:
+    accuracy, decode, prefill = data["accuracy"], data["decode"], data["prefill"]["seconds"]
+    batches = list(decode)
+    header = ["weights", "bits/weight", "perplexity", "vs float32", "KL", "top-1",
+              *(f"tok/s batch {b}" for b in batches), f"prefill {data['prefill']['tokens']} (s)"]
+    rows = []
+    for name, row in accuracy.items():
+        speeds = [f"{decode[b][name]['tokens_per_second']:.1f}" if name in decode[b] else "—" for b in batches]
+        rows.append([name, f"{row['bits_per_weight']:.2f}", f"{row['perplexity']:.2f}",
+                     f"{row['perplexity_change']:+.1%}", f"{row.get('kl', 0):.4f}", percent(row.get("top1_agreement", 1)),
+                     *speeds, f"{prefill[name]:.2f}" if name in prefill else "—"])
+    for name in decode[batches[0]]:
+        if name not in accuracy:
+            rows.append([name, "", "", "", "", "", *(f"{decode[b][name]['tokens_per_second']:.1f}" if name in decode[b]
+                                                    else "—" for b in batches), "—"])
+    fastest = max((n for n in decode["1"] if n in accuracy), key=lambda n: decode["1"][n]["tokens_per_second"])
+    ratio = decode["1"][fastest]["tokens_per_second"] / decode["1"]["float32"]["tokens_per_second"]
+    notes = [bullet(f"Fastest at batch 1: {fastest}, {times(ratio)} float32, perplexity "
+                    f"{accuracy[fastest]['perplexity_change']:+.1%}."),
+             bullet("llama.cpp: " + ("measured on the same GGUF." if data["llama_cpp"] else
+                                     "not installed (`llama-cpp-python`), so not measured in this run."))]
+    return "\n\n".join([
+        heading(title, links,
+                f"{model_label(data['model'])}, perplexity on {data['held_out_tokens']} held-out tokens (windows of "
+                f"{data['window']}), KL and top-1 agreement against float32; decode tokens/s at {data['prompt_tokens']}"
+                f" prompt + {data['new_tokens']} new tokens, greedy. MX rows are codecs applied to the weights "
+                "(float32 compute: accuracy only)."),
+        provenance(data), table(header, rows), "\n".join(notes)])
+
+
 SECTIONS = {  # suite: (title, the function writing its Markdown)
     "decode": ("Decoding at batch 1", decode_section),
     "cache-scaling": ("Cost per token as the sequence grows", cache_scaling_section),
@@ -489,6 +553,8 @@ SECTIONS = {  # suite: (title, the function writing its Markdown)
     "serving": ("Serving a stream of requests", serving_section),
     "server": ("The HTTP server under load", server_section),
     "attention": ("Attention kernels", attention_section),
+    "compile": ("Compiled and exported graphs", compile_section),
+    "quant": ("Quantized weights", quant_section),
 }
 
 

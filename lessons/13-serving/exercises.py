@@ -1,0 +1,56 @@
+"""Lesson 13 exercises: write your answers here; `pytest lessons/13-serving` checks them.
+
+Each function below is a stub. Replace its `raise NotImplementedError` with your answer; the check for that
+exercise skips until you do. Worked answers: solutions/13_serving.py (try first!).
+"""
+
+from __future__ import annotations
+
+
+def sse_encode(chunk: dict) -> bytes:
+    """Exercise 1: Server-sent events
+
+    One chunk as the bytes of one server-sent event: b'data: ' + its JSON + a blank line (b'\\n\\n').
+    """
+    raise NotImplementedError
+
+
+def sse_decode(lines: list[str]) -> list[dict]:
+    """Exercise 1: Server-sent events
+
+    The JSON chunks of an event stream's lines, in order, stopping at 'data: [DONE]'. Blank lines separate
+    events; lines starting with ':' are comments; ignore both.
+    Example: ['data: {"a": 1}', '', 'data: [DONE]', ''] -> [{"a": 1}].
+    """
+    raise NotImplementedError
+
+
+def to_sampling_config(body: dict, max_new_tokens: int):
+    """Exercise 2: OpenAI's parameters as minillm settings
+
+    A request body (a dict with any of temperature, top_p, seed, stop, presence_penalty, frequency_penalty, and the
+    extras top_k, min_p, repetition_penalty) -> minillm.sampling.SamplingConfig for choice 0, with OpenAI's
+    defaults: sampling on at temperature 1 unless the body says otherwise (temperature 0 is greedy); `stop` may be
+    one string or a list; absent fields keep SamplingConfig's defaults.
+    """
+    raise NotImplementedError
+
+
+def request_metrics(sent: float, chunk_times: list[float], end: float, output_tokens: int) -> dict:
+    """Exercise 3: Serving metrics and capacity
+
+    One streamed request: sent at `sent`, text chunks arriving at `chunk_times`, the stream ending at `end`,
+    `output_tokens` tokens in all. Return {"ttft": first chunk - sent, "tpot": (end - first chunk) /
+    (output_tokens - 1) (None for one token), "itl": the gaps between consecutive chunks, a list}.
+    """
+    raise NotImplementedError
+
+
+def max_request_rate(batch: int, seconds_per_step: float, mean_output_tokens: float) -> float:
+    """Exercise 3: Serving metrics and capacity
+
+    A server whose every step takes `seconds_per_step` and gives one token to each of `batch` requests, serving
+    requests of `mean_output_tokens` tokens on average (prefill ignored): the most requests per second it can
+    finish. Above it, the queue grows without bound.
+    """
+    raise NotImplementedError

@@ -1,0 +1,56 @@
+"""Lesson 14 exercises: write your answers here; `pytest lessons/14-quantization` checks them.
+
+Each function below is a stub. Replace its `raise NotImplementedError` with your answer; the check for that
+exercise skips until you do. Worked answers: solutions/14_quantization.py (try first!).
+
+Conventions: weights are [N, K] (output features, input features), blocks and groups run along K; float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np  # noqa: F401
+import torch  # noqa: F401
+
+
+def decode_q4_1_block(block: bytes) -> np.ndarray:
+    """Exercise 1: Decode a Q4_1 block by hand
+
+    `block` is 20 bytes: float16 d (bytes 0-1, little-endian), float16 m (bytes 2-3), then 16 bytes of
+    nibbles: weight i (i < 16) is the low nibble of byte 4 + i, weight i + 16 its high nibble.
+    Return the 32 weights d·q + m as float32 [32].
+
+    Hint: np.frombuffer(block[:4], dtype=np.float16) gives d and m.
+    """
+    raise NotImplementedError
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exercise 2: Groupwise int4 in the kernel's form
+
+    weight [N, K], K a multiple of group_size. For each group of `group_size` weights along K, map the
+    group's minimum to q = 0 and its maximum to q = 15 (asymmetric, round to nearest). Return
+    (q int64 [N, K] in 0..15, scale [N, K / group_size], zero [N, K / group_size]) such that
+    weight ≈ (q − 8)·scale + zero, PyTorch's int4 kernel's formula. A constant group (max = min) must not
+    divide by zero: give it scale 1.
+    """
+    raise NotImplementedError
+
+
+def mxfp4_quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
+    """Exercise 3: One MXFP4 block
+
+    x [32] (finite, not all zero). The block shares a scale X = 2^(floor(log2 max|x|) − 2) (2 is E2M1's
+    largest exponent); each x / X is rounded to the nearest E2M1 value ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}
+    (beyond 6: 6). Return the decoded block X · P [32].
+    """
+    raise NotImplementedError
+
+
+def perplexity(logits: torch.Tensor, tokens: torch.Tensor) -> float:
+    """Exercise 4: Perplexity from logits
+
+    logits [T, V]: the model's scores at each position of `tokens` [T] (logits[t] predicts tokens[t + 1]).
+    Return exp(mean over t < T − 1 of −log softmax(logits[t])[tokens[t + 1]]): the T − 1 predictions the
+    text allows. Work in float32 with log_softmax (never log(softmax(...)), which underflows).
+    """
+    raise NotImplementedError

@@ -1,0 +1,61 @@
+"""Lesson 15 exercises: write your answers here; `pytest lessons/15-compile-and-export` checks them.
+
+Each function below is a stub. Replace its `raise NotImplementedError` with your answer; the check for that
+exercise skips until you do. Worked answers: solutions/15_compile_and_export.py (try first!).
+
+Conventions: the cache is fixed-shape, [B, n_kv_head, S, head_dim], and row b's token at position p sits in
+column p; a mask is bool, True where a query may attend to a key.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401
+
+
+def mask_from_positions(positions: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """Exercise 1: The mask from the positions
+
+    positions: long [B, T], the positions of T new tokens per row. Return the bool mask [B, T, S] (S =
+    num_columns) that an exported graph computes for itself: a token sees every column up to and including its
+    own position, and no column after it (those are not written yet, or hold another run's leftovers).
+
+    Use tensor operations only (no Python loop, no `.item()`): the mask must be traceable into a graph.
+    """
+    raise NotImplementedError
+
+
+def write_columns(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Exercise 2: A cache write a graph can hold
+
+    store [B, KV, S, hd]: a fixed-shape cache; new [B, KV, T, hd]: T new keys per row; columns: long [B, T],
+    where row b's t-th new key goes. Return a new tensor equal to `store` with those columns replaced (leave
+    `store` itself unchanged), using one indexed operation and no Python loop: the columns are a tensor, so one
+    graph serves every step.
+    """
+    raise NotImplementedError
+
+
+def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    """Exercise 3: A prompt through a fixed-length prefill graph
+
+    A prefill graph takes exactly `chunk` tokens. Return the (start, padding) of each run of the graph for a
+    prompt of `length` tokens, following `minillm.onnx_runner`: a prompt of at most `chunk` tokens is one run
+    from 0, padded with `chunk - length` tokens; a longer one runs chunks from 0, chunk, 2·chunk, ... while a
+    whole chunk fits before the prompt's end, and then one last chunk that ends exactly at the prompt's end
+    (overlapping the previous one, no padding).
+
+    Example: length 5, chunk 8 -> [(0, 3)]; length 20, chunk 8 -> [(0, 0), (8, 0), (12, 0)].
+    """
+    raise NotImplementedError
+
+
+def count_graphs(fn, calls: list[tuple]) -> int:
+    """Exercise 4: Count the graphs
+
+    Compile `fn` with `torch.compile` and a backend of your own that counts the graphs it is handed and returns
+    each graph unchanged (no Inductor: only tracing is measured, and it is quick). Call the compiled function
+    with each argument tuple in `calls`, in order, and return how many graphs were compiled. Pass
+    `dynamic=False`, so that every new shape or Python number compiles a new graph, as the compiled decode step
+    is set up. Start from a fresh compile (`torch._dynamo.reset()`), so earlier calls do not count.
+    """
+    raise NotImplementedError

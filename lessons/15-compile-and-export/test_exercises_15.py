@@ -1,0 +1,77 @@
+"""Checks for lesson 15's exercises: `pytest lessons/15-compile-and-export` (yours) or `--solutions`.
+
+References: the session's own mask (`minillm.session.new_token_mask`), a Python loop over the columns, the
+onnxruntime runner's chunking replayed on a recording stub, and graph counts known from how dynamo specialises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minillm.onnx_runner import OnnxRunner
+from minillm.session import new_token_mask
+
+
+def test_exercise_1_the_mask_is_the_sessions(answers):
+    gen = torch.Generator().manual_seed(0)
+    for B, T, S in [(1, 1, 16), (1, 5, 16), (3, 4, 32), (2, 1, 7)]:
+        starts = torch.randint(0, S - T + 1, (B,), generator=gen)
+        positions = starts[:, None] + torch.arange(T)
+        mask = answers.mask_from_positions(positions, S)
+        assert mask.dtype == torch.bool and mask.shape == (B, T, S)
+        expected = new_token_mask(starts, torch.ones(T, T, dtype=torch.bool).tril(), S)
+        assert torch.equal(mask, expected), (B, T, S)
+
+
+def test_exercise_2_the_write_replaces_exactly_the_columns(answers):
+    gen = torch.Generator().manual_seed(1)
+    B, KV, S, hd, T = 3, 2, 12, 4, 3
+    store = torch.randn(B, KV, S, hd, generator=gen)
+    original = store.clone()
+    new = torch.randn(B, KV, T, hd, generator=gen)
+    columns = torch.tensor([[0, 1, 2], [5, 6, 7], [9, 10, 11]])
+    out = answers.write_columns(store, new, columns)
+    expected = original.clone()
+    for b in range(B):
+        for t in range(T):
+            expected[b, :, columns[b, t]] = new[b, :, t]
+    assert torch.equal(out, expected)
+    assert torch.equal(store, original), "write_columns must not change its input"
+
+
+class Recorder(OnnxRunner):
+    """The runner's prefill with the graph replaced by a note of each run's start and padding."""
+
+    def __init__(self, chunk):
+        self.chunk, self.runs = chunk, []
+
+    def empty_cache(self):
+        return []
+
+    def step(self, kind, tokens, start, cache):
+        self.runs.append((start, len(tokens)))
+        return np.zeros((len(tokens), 4), dtype=np.float32), cache
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 8, 64])
+def test_exercise_3_chunks_match_the_runner(answers, chunk):
+    assert answers.prefill_chunks(5, 8) == [(0, 3)] and answers.prefill_chunks(20, 8) == [(0, 0), (8, 0), (12, 0)]
+    for length in range(1, 3 * chunk + 2):
+        runner = Recorder(chunk)
+        runner.prefill(list(range(length)))
+        got = [tuple(run) for run in answers.prefill_chunks(length, chunk)]
+        padding = max(chunk - length, 0)
+        assert got == [(start, padding) for start, size in runner.runs], (length, chunk)
+
+
+def test_exercise_4_graphs_counted_as_dynamo_compiles_them(answers):
+    def step(x, n):
+        return x * n + 1
+
+    x = torch.ones(4)
+    assert answers.count_graphs(step, [(x, 2)] * 5) == 1  # same shapes, same number: one graph
+    assert answers.count_graphs(step, [(x, 2), (x, 3), (x, 4)]) == 3  # a Python number is baked in
+    assert answers.count_graphs(step, [(torch.ones(4), 2), (torch.ones(8), 2)]) == 2  # a new shape
+    assert answers.count_graphs(step, [(x, torch.tensor(2)), (x, torch.tensor(3))]) == 1  # a tensor is an input

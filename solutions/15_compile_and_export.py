@@ -1,0 +1,65 @@
+"""Worked answers for lesson 15's exercises (lessons/15-compile-and-export/exercises.py).
+
+Check them: `pytest lessons/15-compile-and-export --solutions`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# ------------------------------------------------------------------ Exercise 1
+
+
+def mask_from_positions(positions: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """Exercise 1: The mask from the positions"""
+    columns = torch.arange(num_columns, device=positions.device)  # [S]
+    return columns <= positions[:, :, None]  # [B, T, S] by broadcasting
+    # In the session's layout the column of a token is its position, so "up to my position" is causal over the
+    # prompt and the cached prefix at once, and it hides every column past the row's end.
+
+
+# ------------------------------------------------------------------ Exercise 2
+
+
+def write_columns(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Exercise 2: A cache write a graph can hold"""
+    index = columns[:, None, :, None].expand_as(new)  # [B, KV, T, hd]: the column for every element of `new`
+    return store.scatter(2, index, new)
+    # scatter_ (in place) is what the compiled step uses on the cache storage; an exported graph uses the
+    # functional scatter and returns the result as its `present_*` output. Slicing store[:, :, p:p + T] with a
+    # Python p would bake p into the graph: a new graph every step.
+
+
+# ------------------------------------------------------------------ Exercise 3
+
+
+def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    """Exercise 3: A prompt through a fixed-length prefill graph"""
+    if length <= chunk:
+        return [(0, chunk - length)]
+    starts = list(range(0, length - chunk, chunk)) + [length - chunk]
+    return [(start, 0) for start in starts]
+    # The overlap recomputes a few keys that are already in the cache; they come out the same, since the
+    # tokens before them are the same. Padding instead would write past the prompt's end, which near the end of
+    # the context may not fit.
+
+
+# ------------------------------------------------------------------ Exercise 4
+
+
+def count_graphs(fn, calls: list[tuple]) -> int:
+    """Exercise 4: Count the graphs"""
+    graphs = 0
+
+    def counting_backend(graph_module, example_inputs):
+        nonlocal graphs
+        graphs += 1
+        return graph_module.forward  # run the traced graph as it is
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=counting_backend, dynamic=False)
+    for args in calls:
+        compiled(*args)
+    return graphs
+    # minillm.compile.CompiledModel counts its Inductor graphs the same way (CompiledModel.graphs).

@@ -1,0 +1,371 @@
+"""Lesson 14: quantized linears equal their dequantize-then-F.linear references; the GGUF's Q4_1 blocks run
+natively and equal the dequantized model; block and MX codecs against gguf.quants, brute force and hand tables."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.model import ModelConfig, Transformer, causal_positions, init_weights
+from minillm.mx import (E2M1, E2M3, E3M2, E4M3, SHARED_MICROEXPONENT, apply_mx_to_weights, bits_per_weight,
+                        element_bits, element_value, mx_decode, mx_encode, quantize_dequantize,
+                        shared_microexponent_quantize)
+from minillm.quant import (DynamicInt8Linear, Int4WeightLinear, Int8WeightLinear, QuantizationError, QuantizedLinear,
+                           StaticInt8Linear, dequantize_int4, dequantize_int8, dequantize_model,
+                           quantize_int4_groupwise, quantize_int8_per_channel, quantize_model, quantized_modules,
+                           weight_bytes)
+from minillm.quant_gguf import (decode_blocks, dequantize_blocks, encode_blocks, int4_linear_from_blocks,
+                                int8_linear_from_q8_0)
+from minillm.quality import compare_models, held_out_tokens
+
+# The default model's matrices (N, K): q/k/v fused, o, gate/up fused, down; and a small odd one.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (48, 64)]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def linear_with(n, k, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(k, n, bias=bias)
+    linear.weight.data = torch.randn(n, k, generator=gen) * 0.05
+    if bias:
+        linear.bias.data = torch.randn(n, generator=gen)
+    return linear
+
+
+# ------------------------------------------------------------------ weight-only kernels vs their references
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int8_kernel_equals_dequantize_then_linear(n, k):
+    linear = linear_with(n, k, bias=True)
+    q, scale = quantize_int8_per_channel(linear.weight)
+    reference_weight = dequantize_int8(q, scale)  # from the codes, not through the kernel
+    assert (reference_weight - linear.weight).abs().max() <= scale.max() / 2 + 1e-7  # half a step at most
+    x = torch.randn(3, 5, k)
+    reference = F.linear(x, reference_weight, linear.bias)
+    exact = Int8WeightLinear(q, scale, linear.bias, compute_dtype=torch.float32)
+    assert relative_error(exact(x), reference) < 1e-5
+    fast = Int8WeightLinear(q, scale, linear.bias)  # bfloat16 activations: 8 mantissa bits, ~0.4% per product
+    assert fast(x).dtype == torch.float32 and relative_error(fast(x), reference) < 2e-2
+
+
+@pytest.mark.parametrize("n,k,group_size", [(n, k, 32) for n, k in SHAPES] + [(576, 576, 64), (48, 128, 128)])
+def test_int4_kernel_equals_dequantize_then_linear(n, k, group_size):
+    linear = linear_with(n, k, bias=True)
+    q, scale, zero = quantize_int4_groupwise(linear.weight, group_size)
+    assert q.max() <= 15 and q.shape == (n, k) and scale.shape == (n, k // group_size)
+    reference_weight = dequantize_int4(q, scale, zero)
+    assert ((reference_weight - linear.weight).abs() <= scale.repeat_interleave(group_size, 1) / 2 + 1e-6).all()
+    x = torch.randn(2, 3, k)
+    reference = F.linear(x, reference_weight, linear.bias)
+    exact = Int4WeightLinear(q, scale, zero, linear.bias, compute_dtype=torch.float32)
+    assert relative_error(exact(x), reference) < 1e-5
+    if n * k < 500_000:  # reading the weight back through the kernel's float32 path is slow on big ones
+        assert relative_error(exact.dequantized_weight(), reference_weight) < 1e-6
+    fast = Int4WeightLinear(q, scale, zero, linear.bias)
+    assert relative_error(fast(x), reference) < 2e-2
+
+
+def test_dynamic_and_static_int8_equal_their_fake_quantized_references():
+    linear = linear_with(1536, 576, bias=True)
+    q, w_scale = quantize_int8_per_channel(linear.weight)
+    x = torch.randn(4, 576)
+    x[1] *= 10  # rows of very different ranges: each gets its own scale
+    x_scale = x.abs().amax(1, keepdim=True) / 127
+    fake_x = torch.round(x / x_scale).clamp(-127, 127) * x_scale
+    reference = F.linear(fake_x, dequantize_int8(q, w_scale), linear.bias)
+    assert relative_error(DynamicInt8Linear.from_linear(linear)(x), reference) < 1e-5
+    static = StaticInt8Linear.from_linear(linear, input_absmax=2.0)  # row 1 exceeds it: saturates at ±127
+    fixed = 2.0 / 127
+    reference = F.linear(torch.round(x / fixed).clamp(-127, 127) * fixed, dequantize_int8(q, w_scale), linear.bias)
+    assert relative_error(static(x), reference) < 1e-5
+
+
+# ------------------------------------------------------------------ swaps on a tiny model
+
+
+def tiny_llama(seed=0) -> Transformer:
+    config = ModelConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128,
+                         norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, qkv_bias=False)
+    return init_weights(Transformer(config), std=0.1, seed=seed).eval()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "dynamic-int8", "static-int8"])
+def test_swap_equals_its_dequantized_model_and_stays_close_to_float(method):
+    model = tiny_llama()
+    tokens = torch.randint(0, 96, (2, 12))
+    positions = causal_positions(2, 12)
+    with torch.no_grad():
+        original = model(tokens, positions)
+        quantize_model(model, method, compute_dtype=torch.float32, calibration_tokens=tokens)
+        out = model(tokens, positions)
+        plain = dequantize_model(copy.deepcopy(model))
+        assert not quantized_modules(plain) and sum(quantized_modules(model).values()) == 2 * 4 + 1
+        if method in ("int8", "int4"):  # weight-only: exactly the dequantized weights
+            assert relative_error(out, plain(tokens, positions)) < 1e-5
+        # random Gaussian weights are a hard case for 4 bits (no structure, full range in every group)
+        bound, agreement = {"int8": (0.02, 0.9), "int4": (0.4, 0.6), "dynamic-int8": (0.05, 0.9),
+                            "static-int8": (0.08, 0.9)}[method]
+        assert relative_error(out, original) < bound
+        assert (out.argmax(-1) == original.argmax(-1)).float().mean() > agreement
+
+
+def test_weight_bytes_count_what_a_step_reads():
+    model = tiny_llama()
+    float_bytes = weight_bytes(model)
+    assert float_bytes == model.num_weight_bytes()  # tied head: the embedding is the head
+    quantize_model(model, "int8")
+    linear_weights = 2 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64) + 96 * 64
+    scales = 2 * (128 + 64 + 256 + 64) + 96  # bfloat16
+    norms = 2 * 2 * 64 + 64
+    assert weight_bytes(model) == linear_weights + 2 * scales + 4 * (norms + 64)  # + one embedding row
+
+
+# ------------------------------------------------------------------ refusals, one clear line each
+
+
+def test_kernels_refuse_what_they_cannot_run():
+    with pytest.raises(QuantizationError, match="group size 128 does not fit .*K=576.*use 32 or 64"):
+        Int4WeightLinear.from_linear(linear_with(64, 576), group_size=128)
+    with pytest.raises(QuantizationError, match="multiple of 16; weight has N=40"):
+        Int4WeightLinear.from_linear(linear_with(40, 64))
+    with pytest.raises(QuantizationError, match="K a multiple of 16.*K=24.*compute_dtype=torch.float32"):
+        Int8WeightLinear.from_linear(linear_with(32, 24))
+    Int8WeightLinear.from_linear(linear_with(32, 24), compute_dtype=torch.float32)  # float32 activations: fine
+    model = tiny_llama()
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(QuantizationError, match="blocks.0.attn.qkv"):
+        quantize_model(model, "int4", group_size=128)
+    assert [type(m) for m in model.modules()] == before  # refused before anything was swapped
+    with pytest.raises(QuantizationError, match="unknown quantization 'int3'"):
+        quantize_model(model, "int3")
+    with pytest.raises(QuantizationError, match="calibration_tokens"):
+        quantize_model(model, "static-int8")
+    with pytest.raises(QuantizationError, match="is Q8_0: the int4 kernel runs Q4_0 and Q4_1"):
+        int4_linear_from_blocks(encode_blocks(np.ones((16, 32), np.float32), "Q8_0"), "Q8_0")
+    with pytest.raises(QuantizationError, match="MX blocks of 32 do not divide"):
+        mx_encode(torch.ones(2, 48), "mxfp4")
+
+
+# ------------------------------------------------------------------ GGUF blocks: codecs against gguf.quants
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_codecs_are_bit_exact_against_gguf(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    w[3] = 0  # an all-zero row
+    ours = encode_blocks(w, kind)
+    theirs = quantize(w, GGMLQuantizationType[kind])
+    assert np.array_equal(ours, theirs)
+    assert np.array_equal(dequantize_blocks(ours, kind), dequantize(theirs, GGMLQuantizationType[kind]))
+
+
+def test_q4_1_blocks_run_natively_code_for_code():
+    w = np.random.default_rng(1).standard_normal((48, 128)).astype(np.float32)
+    blocks = encode_blocks(w, "Q4_1")
+    q, d, m = decode_blocks(blocks, "Q4_1")
+    # one block by hand: byte i holds element i (low nibble) and element i + 16 (high nibble)
+    raw = blocks[0, :20]
+    assert d[0, 0] == np.frombuffer(raw[:2].tobytes(), np.float16)[0]
+    assert q[0, 5] == raw[4 + 5] & 15 and q[0, 21] == raw[4 + 5] >> 4
+    linear = int4_linear_from_blocks(blocks, "Q4_1", compute_dtype=torch.float32)
+    reference = torch.from_numpy(dequantize_blocks(blocks, "Q4_1"))
+    x = torch.randn(3, 128)
+    assert relative_error(linear(x), x @ reference.T) < 1e-6
+
+
+# ------------------------------------------------------------------ MX codecs
+
+
+def nearest_by_brute_force(values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Each value -> the nearest entry of `table` (ascending magnitudes), ties to the entry with an even code."""
+    distance = (values[:, None] - table[None, :]).abs()
+    best = distance.min(dim=1, keepdim=True).values
+    candidates = distance == best
+    codes = torch.arange(len(table))
+    even_tie = candidates & (codes % 2 == 0)
+    return table[torch.where(even_tie.any(1), even_tie.float().argmax(1), candidates.float().argmax(1))]
+
+
+@pytest.mark.parametrize("element", [E4M3, E3M2, E2M3, E2M1], ids=lambda e: e.name)
+def test_mx_elements_round_to_the_nearest_code_found_by_brute_force(element):
+    positive_codes = torch.arange(2 ** (element.bits - 1), dtype=torch.uint8)
+    table = element_value(positive_codes, element)
+    table = table[table <= element.max_value]  # E4M3's top code is NaN
+    assert torch.equal(element_bits(table, element), positive_codes[: len(table)])  # codes round-trip
+    fmt = {"E4M3": "mxfp8", "E3M2": "mxfp6_e3m2", "E2M3": "mxfp6_e2m3", "E2M1": "mxfp4"}[element.name]
+    x = torch.randn(64, 32) * torch.logspace(-3, 1, 64)[:, None]
+    codes, scales = mx_encode(x, fmt)
+    scale = torch.exp2(scales.float() - 127)  # [64, 1]
+    scaled = (x / scale).flatten()
+    expected = nearest_by_brute_force(scaled.abs().clamp(max=element.max_value), table) * scaled.sign()
+    assert torch.equal(mx_decode(codes, scales, fmt), (expected.reshape(64, 32) * scale))
+
+
+MX_EDGES = {  # format: [(input with block max 1 unless noted, expected decoded value)], worked out by hand
+    # E4M3, shared scale 2^(0 - 8): elements hold x·256; smallest subnormal 2^-9 -> x = 2^-17
+    "mxfp8": [(1.0, 1.0), (0.0, 0.0), (2.0 ** -17, 2.0 ** -17), (2.0 ** -18, 0.0), (1.5 * 2.0 ** -17, 2.0 ** -16),
+              (1.74, 1.75), (-0.3, -0.3125)],
+    # E2M1, scale 2^(0 - 2): elements x·4 in {0, .5, 1, 1.5, 2, 3, 4, 6}; 1.9 -> 7.6 saturates at 6 -> 1.5
+    "mxfp4": [(1.0, 1.0), (1.9, 1.5), (0.0625, 0.0), (0.1875, 0.25), (0.3125, 0.25), (-0.7, -0.75)],
+    # E3M2, scale 2^(0 - 4): x·16; largest 28 -> 1.75; smallest subnormal 2^-4 -> 2^-8
+    "mxfp6_e3m2": [(1.0, 1.0), (1.99, 1.75), (2.0 ** -8, 2.0 ** -8), (2.0 ** -10, 0.0)],
+    # E2M3, scale 2^(0 - 2): x·4; largest 7.5 -> 1.875; smallest subnormal 0.125 -> 2^-5
+    "mxfp6_e2m3": [(1.0, 1.0), (1.99, 1.875), (2.0 ** -5, 2.0 ** -5), (0.3, 0.3125)],
+    # MXINT8, scale 2^0: x·64 rounded, ±127 at most
+    "mxint8": [(1.0, 1.0), (1.999, 127 / 64), (-1.999, -127 / 64), (0.01, 1 / 64), (2.0 ** -8, 0.0)],
+}
+
+
+@pytest.mark.parametrize("fmt", list(MX_EDGES))
+def test_mx_edge_values_match_hand_computed_tables(fmt):
+    inputs, expected = zip(*MX_EDGES[fmt])
+    block = torch.zeros(1, 32)
+    block[0, : len(inputs)] = torch.tensor(inputs)
+    block[0, -1] = 1.0 if fmt != "mxfp4" else 1.9  # the block's max fixes the scale (log2 floor = 0)
+    out = quantize_dequantize(block, fmt)
+    assert out[0, : len(inputs)].tolist() == list(expected)
+    assert torch.equal(mx_decode(*mx_encode(block, fmt), fmt), out)  # through the bit patterns: the same
+    codes, scales = mx_encode(torch.zeros(1, 32), fmt)
+    assert (codes == 0).all() and mx_decode(codes, scales, fmt).eq(0).all()  # zero block: +0 everywhere
+    for bad in (float("nan"), float("inf")):
+        codes, scales = mx_encode(torch.tensor([[bad] + [1.0] * 31]), fmt)
+        assert scales.item() == 255 and mx_decode(codes, scales, fmt).isnan().all()
+        assert quantize_dequantize(torch.tensor([[bad] + [1.0] * 31]), fmt).isnan().all()
+
+
+def test_mx_scale_is_e8m0_and_largest_finite_round_trips():
+    assert mx_encode(torch.full((1, 32), 448.0 * 2.0 ** 20), "mxfp8")[1].item() == 127 + 20
+    assert quantize_dequantize(torch.full((1, 32), 448.0), "mxfp8").eq(448.0).all()
+    assert quantize_dequantize(torch.full((1, 32), 6.0), "mxfp4").eq(6.0).all()
+    assert bits_per_weight("mxfp4") == 4.25 and bits_per_weight("mx6") == 6 and bits_per_weight("mx9") == 9
+
+
+def test_mxfp4_bytes_match_gguf():
+    """gguf's MXFP4 block: an E8M0 byte, then 16 bytes of E2M1 codes, element i low nibble of byte i."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    x = torch.randn(8, 64) * 3
+    codes, scales = mx_encode(x, "mxfp4")
+    c = codes.reshape(8, 2, 32).numpy()
+    ours = np.concatenate([scales.numpy()[..., None], (c[..., :16] | (c[..., 16:] << 4)).astype(np.uint8)], axis=-1)
+    assert np.array_equal(ours.reshape(8, -1), quantize(x.numpy(), GGMLQuantizationType.MXFP4))
+
+
+@pytest.mark.parametrize("fmt", list(SHARED_MICROEXPONENT))
+def test_shared_microexponent_formats_against_brute_force(fmt):
+    m = SHARED_MICROEXPONENT[fmt]
+    x = torch.randn(4, 32) * torch.tensor([1e-3, 1.0, 7.0, 100.0])[:, None]
+    x[0, 2:16] *= 0.01  # pairs far below the block max take the extra bit
+    out = shared_microexponent_quantize(x, fmt)
+    for row, block in itertools.product(range(4), range(2)):
+        values = x[row, 16 * block: 16 * block + 16]
+        e = torch.floor(torch.log2(values.abs().max()))
+        for pair in range(8):
+            v = values[2 * pair: 2 * pair + 2]
+            beta = 1 if v.abs().max() < 2 ** e else 0
+            grid = torch.arange(-(2 ** m - 1), 2 ** m) * 2.0 ** (e - beta - (m - 1))  # every representable value
+            for i in range(2):
+                index = 16 * block + 2 * pair + i
+                nearest = grid[(grid - v[i]).abs().argmin()]  # no ties on random data
+                assert out[row, index] == nearest, (row, index)
+
+
+# ------------------------------------------------------------------ on the real model
+
+
+@pytest.fixture(scope="module")
+def france(default_model):
+    model, tokenizer = default_model
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True)
+    return torch.tensor([tokenizer.encode(text)])
+
+
+def test_gguf_native_q4_1_equals_the_dequantized_model(default_model, france):
+    """minillm's float32 model is the GGUF dequantized: running the Q4_1 codes natively must give its logits."""
+    from minillm.quant_gguf import gguf_path_for, use_gguf_weights
+
+    model, _ = default_model
+    prompt = france[:, :12]  # the kernel's float32 path is a slow reference: a short prompt
+    positions = causal_positions(1, prompt.shape[1])
+    native = use_gguf_weights(copy.deepcopy(model), gguf_path_for("default"), compute_dtype=torch.float32, head="none")
+    assert quantized_modules(native) == {"Int4WeightLinear": 4 * 30}
+    assert weight_bytes(native) < 0.5 * weight_bytes(model)  # the float32 head still counts in full
+    with torch.no_grad():
+        assert relative_error(native(prompt, positions), model(prompt, positions)) < 1e-4
+
+
+def test_q8_0_head_becomes_int8_rows_within_half_a_step():
+    w = np.random.default_rng(2).standard_normal((64, 96)).astype(np.float32)
+    w[:, :32] *= 10  # one block per row much larger: per-row int8 steps are coarser than its other blocks'
+    blocks = encode_blocks(w, "Q8_0")
+    head = int8_linear_from_q8_0(blocks, compute_dtype=torch.float32, rows_per_chunk=16)
+    decoded = torch.from_numpy(dequantize_blocks(blocks, "Q8_0"))
+    step = decoded.abs().amax(1, keepdim=True) / 127
+    assert ((head.dequantized_weight() - decoded).abs() <= step / 2 + 1e-6).all()
+    x = torch.randn(2, 96)
+    assert relative_error(head(x), x @ head.dequantized_weight().T) < 1e-5
+
+
+def test_held_out_text_and_quality_measures(default_model):
+    model, tokenizer = default_model
+    tokens = held_out_tokens(tokenizer)
+    assert len(tokens) >= 10_000
+    int8 = quantize_model(copy.deepcopy(model), "int8")
+    mxfp4 = apply_mx_to_weights(copy.deepcopy(model), "mxfp4")
+    result = compare_models({"int8": int8, "same": model, "mxfp4": mxfp4}, model, tokens[:128], window=64)
+    assert result["reference"]["tokens"] == 2 * 63  # two windows, each first token unpredicted
+    assert result["same"]["kl"] == pytest.approx(0, abs=1e-6) and result["same"]["top1_agreement"] == 1
+    assert result["same"]["perplexity"] == pytest.approx(result["reference"]["perplexity"])
+    assert 1 < result["reference"]["perplexity"] < 100
+    assert result["int8"]["kl"] < result["mxfp4"]["kl"] and result["int8"]["top1_agreement"] > 0.9
+
+
+def test_cli_quant_refuses_what_it_cannot_map(capsys):
+    from minillm.cli import main
+    from minillm.quant_gguf import apply_quantization
+
+    with pytest.raises(QuantizationError, match="'./my-folder' is not a GGUF: use --model default or a .gguf path"):
+        apply_quantization(tiny_llama(), "gguf", "./my-folder")
+    assert main(["--prompt", "hi", "--quant", "int3"]) == 2
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
+    model = apply_quantization(tiny_llama(), "int4", "tiny")
+    assert type(model.lm_head) is Int8WeightLinear and type(model.blocks[0].mlp.fc) is Int4WeightLinear
+
+
+def test_quant_results_plot_and_report(tmp_path):
+    """The committed results/quant.json draws and reports, quoting its own numbers."""
+    from minillm.benchmarks.common import RESULTS
+    from minillm.benchmarks.quant import plot
+    from minillm.benchmarks.report import quant_section
+    from minillm.jsonio import read_json
+
+    if not (RESULTS / "quant.json").exists():
+        pytest.skip("results/quant.json not measured yet: python -m minillm.bench quant")
+    data = read_json(RESULTS / "quant.json")
+    plot(data, tmp_path / "quant.png")
+    assert 0 < (tmp_path / "quant.png").stat().st_size < 200_000
+    text = quant_section("Quantized weights", data, {"png": "quant.png", "json": "quant.json"})
+    assert f"| float32 | 32.00 | {data['accuracy']['float32']['perplexity']:.2f} |" in text
+
+
+def test_quantized_modules_are_not_float_linears():
+    assert not issubclass(QuantizedLinear, nn.Linear)  # a second swap never re-quantizes a quantized linear
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("14_quantization.ipynb", timeout=600)

@@ -1,0 +1,240 @@
+"""Lesson 15: a compiled decode step over a fixed-shape cache, and the model as two ONNX graphs.
+
+References: the eager model through the same decode session (compiled logits within
+float32 tolerance, greedy tokens identical), the compiler's own count of the graphs
+it built (no recompilation across decode steps and prompt lengths), and `generate`
+(the onnxruntime runner's greedy tokens and streamed text identical).
+
+Compiling is slow on a small CPU, so each tiny model is compiled once per module
+(Inductor also caches compiled graphs on disk, so later runs are quicker). The checks
+on the real default model compile it and export it, several minutes on 2 cores: they
+run when MINILLM_SLOW_TESTS=1 is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minillm.compile import CompiledModel, compile_model, context_bucket
+from minillm.export import export_onnx
+from minillm.infer import generate
+from minillm.onnx_runner import ExportError, OnnxRunner
+from minillm.session import DecodeSession
+from minillm.tiny import tiny_pair
+
+SLOW = pytest.mark.skipif(not os.environ.get("MINILLM_SLOW_TESTS"),
+                          reason="compiles and exports the real default model (minutes): set MINILLM_SLOW_TESTS=1")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A tiny Llama with room for 100+ decode steps, and its compiled twin (prefill chunks of 8)."""
+    _, model = tiny_pair("llama", block_size=256)
+    return model, CompiledModel(model, chunk=8)
+
+
+def decode_logits(model, prompt: list[int], steps: int, fixed_shape: bool, max_len: int = 256) -> tuple:
+    """Greedy decoding through a session: (tokens, logits [steps, V]) with the logits of every step."""
+    session = DecodeSession(model, "static", max_len=max_len, fixed_shape=fixed_shape)
+    with torch.inference_mode():
+        logits = session.prefill([prompt])  # [1, V]
+        tokens, rows = [], []
+        for _ in range(steps):
+            rows.append(logits[0])
+            tokens.append(int(logits[0].argmax()))
+            logits = session.extend([[tokens[-1]]])[:, -1]
+    return tokens, torch.stack(rows)
+
+
+# ------------------------------------------------------------------ compiled decode step
+
+
+def test_compiled_matches_eager_and_never_recompiles(tiny_llama):
+    model, compiled = tiny_llama
+    gen = torch.Generator().manual_seed(0)
+    for prompt_length in (5, 21):  # one chunk, then three chunks with a padded last one
+        prompt = torch.randint(0, model.config.vocab_size, (prompt_length,), generator=gen).tolist()
+        expected_tokens, expected = decode_logits(model, prompt, 100, fixed_shape=False)
+        graphs = compiled.graphs
+        tokens, logits = decode_logits(compiled, prompt, 100, fixed_shape=True)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert tokens == expected_tokens
+        if prompt_length == 5:
+            assert compiled.graphs == 2  # one decode graph, one prefill-chunk graph
+        else:
+            assert compiled.graphs == graphs, "a new prompt length must not compile anything"
+    assert compiled.eager_calls == 0 and compiled.compile_seconds > 0
+
+
+def test_generate_compile_true_gives_the_eager_text(tiny_llama):
+    model, _ = tiny_llama
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]
+    eager = generate(model, prompts, max_new_tokens=12)
+    compiled = generate(model, prompts, max_new_tokens=12, compile=True)
+    assert compiled.token_ids == eager.token_ids
+    assert compile_model(model).graphs >= 2  # the cached twin did the work
+
+
+def test_compiled_verify_chunk_gives_every_positions_logits(tiny_llama):
+    """T > 1 new tokens with logits at each (speculative verification) go through the chunk graph."""
+    model, compiled = tiny_llama
+    prompt, draft = [5, 6, 7, 8, 9, 10], [[11, 12, 13]]
+    expected_session = DecodeSession(model, "static", max_len=256)
+    session = DecodeSession(compiled, "static", max_len=256, fixed_shape=True)
+    with torch.inference_mode():
+        expected_session.prefill([prompt])
+        session.prefill([prompt])
+        torch.testing.assert_close(session.extend(draft), expected_session.extend(draft), rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_model_refuses_a_growing_cache(tiny_llama):
+    _, compiled = tiny_llama
+    with pytest.raises(ValueError, match="fixed-shape static cache"):
+        DecodeSession(compiled, "dynamic").prefill([[1, 2, 3]])
+    with pytest.raises(ValueError, match="static cache"):
+        generate(tiny_llama[0], [1, 2], max_new_tokens=2, cache="dynamic", compile=True)
+
+
+def test_context_buckets_are_few_and_hold_the_run():
+    assert [context_bucket(n, 8192) for n in (1, 200, 256, 257, 3000)] == [256, 256, 256, 512, 4096]
+    assert context_bucket(500, 300) == 300  # never past the model's context
+
+
+def test_cli_compile_flag_is_documented_and_checked():
+    from minillm.cli import main
+
+    result = subprocess.run([sys.executable, "-m", "minillm", "--help"], capture_output=True, text=True, timeout=120)
+    assert "--compile" in result.stdout
+    assert main(["--prompt", "hi", "--compile", "--cache", "dynamic"]) == 2
+
+
+# ------------------------------------------------------------------ ONNX export and the onnxruntime runner
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    _, model = tiny_pair("llama", block_size=256)
+    folder = export_onnx(model, tmp_path_factory.mktemp("export") / "tiny", context=64, chunk=8)
+    return model, folder
+
+
+def test_exported_graphs_have_the_promised_inputs_and_outputs(tiny_export):
+    import onnx
+
+    model, folder = tiny_export
+    c = model.config
+    assert sorted(p.name for p in folder.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx",
+                                                        "weights.data"]
+    for name, tokens in (("prefill.onnx", 8), ("decode.onnx", 1)):
+        graph = onnx.load(str(folder / name), load_external_data=False).graph
+        shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*graph.input, *graph.output)}
+        assert [v.name for v in graph.input][:2] == ["input_ids", "position_ids"]
+        assert len(graph.input) == 2 + 2 * c.n_layer and len(graph.output) == 1 + 2 * c.n_layer
+        assert shapes["input_ids"] == [1, tokens] and shapes["logits"] == [1, tokens, c.vocab_size]
+        assert shapes["past_key.0"] == shapes["present_value.1"] == [1, c.kv_heads, 64, c.head_size]
+        assert "mask" not in " ".join(v.name for v in graph.input)  # computed inside from the positions
+    weights = (folder / "weights.data").stat().st_size
+    assert weights < 1.2 * model.num_weight_bytes()  # both graphs read one copy
+
+
+@pytest.mark.parametrize("prompt_length", [3, 8, 21])
+def test_onnx_runner_gives_generates_tokens_and_events(tiny_export, prompt_length):
+    model, folder = tiny_export
+    runner = OnnxRunner(folder)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_length,),
+                           generator=torch.Generator().manual_seed(prompt_length)).tolist()
+    expected = generate(model, prompt, max_new_tokens=30)
+    events = list(runner.generate(prompt, max_new_tokens=30, stream=True))
+    assert [t for e in events for t in e.token_ids] == expected.token_ids[0]
+    assert [e.finish_reason for e in events] == [None] * 29 + ["length"]
+    logits, _ = runner.prefill(prompt)
+    with torch.inference_mode():
+        reference = model(torch.tensor([prompt]), torch.arange(prompt_length)[None])[0, -1]
+    torch.testing.assert_close(torch.from_numpy(logits), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_onnx_runner_stops_as_generate_does(tiny_export):
+    model, folder = tiny_export
+    prompt = [1, 2, 3, 4]
+    expected = generate(model, prompt, max_new_tokens=20)
+    tokens = expected.token_ids[0]
+    eos = tokens[5]
+    out = OnnxRunner(folder).generate(prompt, max_new_tokens=20, eos_token_id=eos)
+    assert out.rows[0].finish_reason == "eos" and out.token_ids[0] == tokens[: tokens.index(eos) + 1]
+
+
+def test_onnx_runner_refuses_what_the_export_cannot_run(tiny_export, tmp_path):
+    _, folder = tiny_export
+    runner = OnnxRunner(folder)
+    with pytest.raises(ValueError, match=r"exported graphs hold 64: export with --context 70"):
+        runner.generate(list(range(40)), max_new_tokens=30)
+    with pytest.raises(ExportError, match="no manifest.json"):
+        OnnxRunner(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in folder.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    (broken / "decode.onnx").unlink()
+    with pytest.raises(ExportError, match="decode.onnx is missing: export again"):
+        OnnxRunner(broken)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (broken / "decode.onnx").write_bytes((folder / "decode.onnx").read_bytes())
+    (broken / "manifest.json").write_text(json.dumps(manifest | {"export_id": "another"}))
+    with pytest.raises(ExportError, match="comes from another export"):
+        OnnxRunner(broken)
+
+
+def test_export_cli_reports_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "minillm.export", "run", str(tmp_path), "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "not a minillm ONNX export" in result.stderr
+    help_text = subprocess.run([sys.executable, "-m", "minillm.export", "onnx", "--help"], capture_output=True,
+                               text=True, timeout=120).stdout
+    for flag in ("--context", "--chunk", "--out", "--dtype"):
+        assert flag in help_text
+
+
+# ------------------------------------------------------------------ the real default model
+
+
+@SLOW
+def test_default_model_compiled_matches_eager(default_model):
+    model, tokenizer = default_model
+    prompt = tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+    expected_tokens, expected = decode_logits(model, prompt, 40, fixed_shape=False)
+    compiled = compile_model(model)
+    tokens, logits = decode_logits(compiled, prompt, 40, fixed_shape=True)
+    torch.testing.assert_close(logits, expected, rtol=1e-3, atol=1e-3)
+    assert tokenizer.decode(tokens) == tokenizer.decode(expected_tokens)
+
+
+@SLOW
+def test_default_model_onnx_matches_eager(default_model, tmp_path):
+    model, tokenizer = default_model
+    from minillm.loading import resolve_checkpoint_folder
+
+    folder = export_onnx(model, tmp_path / "smollm2", context=256, chunk=32, model_name="default",
+                         checkpoint=resolve_checkpoint_folder("default"))
+    runner = OnnxRunner(folder)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse "
+                                           "keeper who finds a message in a bottle on the beach one morning."}],
+                                         add_generation_prompt=True)
+    prompt = tokenizer.encode(text)
+    assert len(prompt) > 32  # longer than one prefill chunk
+    expected = generate(model, prompt, max_new_tokens=64, eos_token_id=[])
+    out = runner.generate(prompt, max_new_tokens=64, eos_token_id=[])
+    assert out.token_ids[0] == expected.token_ids[0]
+    logits, _ = runner.prefill(prompt)
+    with torch.inference_mode():
+        reference = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1]
+    torch.testing.assert_close(torch.from_numpy(logits), reference, rtol=1e-3, atol=1e-3)
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("15_compile_and_export.ipynb", timeout=600)
