@@ -271,6 +271,8 @@ def run(args) -> int:
     from .infer import generate_in_batches
     from .loading import load_model
 
+    if sys.stdout is None or sys.stdout.closed:
+        raise ValueError("standard output is closed: redirect it to a file or a pipe")
     prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if not prompts:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts-file FILE")
@@ -358,8 +360,9 @@ def negative_values_attached(parser: argparse.ArgumentParser, argv: list[str]) -
 def run_command(parser: argparse.ArgumentParser, run, argv=None) -> int:
     """Parse `argv` and return `run(args)`, with every failure one line on stderr and an exit status.
 
-    The promise of each `python -m minillm.X` command (serve, export, ...): --help exits 0, a
-    bad flag or a bad value 2, Ctrl-C 130, never a traceback (MINILLM_DEBUG=1 shows it).
+    The promise of every `python -m minillm...` command (infer, serve, export, loadtest): --help
+    exits 0, a bad flag or a bad value 2, Ctrl-C 130, a closed pipe (`| head`) 0 quietly, never
+    a traceback (MINILLM_DEBUG=1 shows it).
     """
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -371,7 +374,10 @@ def run_command(parser: argparse.ArgumentParser, run, argv=None) -> int:
     except KeyboardInterrupt:
         print("\nminillm: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:  # the promise: one clear line, no traceback
         if os.environ.get("MINILLM_DEBUG"):
             raise
         print(f"minillm: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
@@ -379,26 +385,4 @@ def run_command(parser: argparse.ArgumentParser, run, argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on Ctrl-C is a KeyboardInterrupt
-    parser = build_parser()
-    try:
-        args = parser.parse_args(negative_values_attached(parser, sys.argv[1:] if argv is None else list(argv)))
-    except SystemExit as e:  # --help (0) or a bad flag, already reported on one line (2)
-        return e.code
-    if sys.stdout is None or sys.stdout.closed:
-        print("minillm: error: standard output is closed: redirect it to a file or a pipe", file=sys.stderr)
-        return 2
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("\nminillm: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except Exception as e:  # the CLI's promise: one clear line, no traceback
-        if os.environ.get("MINILLM_DEBUG"):
-            raise
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"minillm: error: {message}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), run, argv)

@@ -27,7 +27,6 @@ int8 needs K a multiple of 16 (otherwise it returns garbage); CPU only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 

@@ -44,7 +44,7 @@ from .cli import OneLineParser, run_command
 from .engine import Engine, kv_bytes_per_token
 from .generation import GenerationEvent
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, SamplingParameters, chat_choice,
-                         chat_delta, chat_prompt, completion_choice, completion_prompts, envelope, finish_reason,
+                         chat_delta, chat_prompt, completion_choice, completion_prompts, envelope,
                          max_new_tokens, new_id, refuse_unsupported, sampling_config, usage)
 
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /stats"
@@ -73,7 +73,7 @@ class BodyLimit:
             if size > self.max_bytes:
                 error = APIError(413, f"the request body is over {self.max_bytes} bytes: send a shorter prompt "
                                       f"(or start the server with a larger --max-body-mb)")
-                return await JSONResponse(error.body(), error.status)(scope, receive, send)
+                return await api_response(error)(scope, receive, send)
             if not message.get("more_body"):
                 break
         body, replayed = b"".join(chunks), False
@@ -112,19 +112,14 @@ class Choices:
 class OpenAIServer:
     """The routes' logic; `create_app` wires it to FastAPI."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
-                 request_timeout: float):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int, request_timeout: float):
+        self.engine, self.model_name = engine, model_name
         self.max_model_len, self.request_timeout = max_model_len, request_timeout
-
-    def check_model(self, body: SamplingParameters) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist: this server serves {self.model_name!r} "
-                                f"(GET /v1/models lists it)", param="model", code="model_not_found")
 
     async def submit(self, body: SamplingParameters, prompts: list[list[int]]) -> Choices:
         """Check everything, then add one engine request per (prompt, choice): all of them or none."""
-        self.check_model(body)
+        if body.model is not None:
+            check_model_name(body.model, self.model_name)
         refuse_unsupported(body)
         flat, configs = [], []
         for prompt in prompts:
@@ -227,7 +222,7 @@ async def sse(chunks, on_close):
 def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int,
                request_timeout: float = 600.0, max_body_bytes: int = 2**20) -> FastAPI:
     """The FastAPI app serving `engine` (already started) under OpenAI's routes."""
-    server = OpenAIServer(engine, tokenizer, model_name, max_model_len, request_timeout)
+    server = OpenAIServer(engine, model_name, max_model_len, request_timeout)
     app = FastAPI(title="minillm", summary="An OpenAI-compatible server over minillm's continuous-batching engine",
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -235,7 +230,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
-        return JSONResponse(error.body(), error.status, headers=error.headers)
+        return api_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
@@ -271,9 +266,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name != model_name:
-            raise APIError(404, f"model {name!r} does not exist: this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        check_model_name(name, model_name)
         return model_card(model_name, created, max_model_len)
 
     @app.get("/health")
@@ -285,6 +278,12 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         return {**await engine.call(engine_stats), "requests_aborted": engine.aborted}
 
     return app
+
+
+def check_model_name(asked: str, served: str) -> None:
+    if asked != served:
+        raise APIError(404, f"model {asked!r} does not exist: this server serves {served!r} (GET /v1/models lists it)",
+                       param="model", code="model_not_found")
 
 
 def model_card(name: str, created: int, max_model_len: int) -> dict:
@@ -315,6 +314,27 @@ def api_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), error.status, headers=error.headers)
 
 
+def build_server(model, tokenizer, *, model_name: str, max_model_len: int | None = None, max_waiting: int = 64,
+                 request_timeout: float = 600.0, max_body_bytes: int = 2**20,
+                 **engine_options) -> tuple[AsyncEngine, FastAPI, int]:
+    """The engine, its thread (not started yet) and the app serving it; returns them and the context limit.
+
+    engine_options go to `Engine` (max_num_seqs, kv_cache_mb, ...). Refuses, in one line, a
+    model the engine cannot serve.
+    """
+    if tokenizer is None:
+        raise ValueError(f"model {model_name!r} ships no tokenizer (tokenizer.json): a server needs one")
+    if model.config.sliding_window is not None:
+        raise ValueError(f"model {model_name!r} has sliding-window attention layers, which the paged engine does "
+                         f"not support yet: serve a Llama-, Qwen2- or GPT-2-style model")
+    engine = Engine(model, tokenizer, **engine_options)
+    limit = context_limit(model, engine, max_model_len)
+    runner = AsyncEngine(engine, max_waiting)
+    app = create_app(runner, tokenizer, model_name=model_name, max_model_len=limit,
+                     request_timeout=request_timeout, max_body_bytes=max_body_bytes)
+    return runner, app, limit
+
+
 class BackgroundServer:
     """A server on a thread of this process, on a free port: what notebooks and tests start.
 
@@ -323,17 +343,15 @@ class BackgroundServer:
             ...
         # on exit: the HTTP server and the engine thread have stopped
 
-    engine_options go to `Engine` (max_num_seqs, kv_cache_mb, ...).
+    server_options go to `build_server` (max_model_len, max_waiting, request_timeout, ...,
+    and the `Engine`'s own: max_num_seqs, kv_cache_mb, ...).
     """
 
-    def __init__(self, model, tokenizer, *, model_name: str = "default", max_model_len: int | None = None,
-                 max_waiting: int = 64, request_timeout: float = 600.0, max_body_bytes: int = 2**20,
-                 host: str = "127.0.0.1", port: int = 0, **engine_options):
-        self.engine = Engine(model, tokenizer, **engine_options)
-        self.runner = AsyncEngine(self.engine, max_waiting)
-        self.max_model_len = context_limit(model, self.engine, max_model_len)
-        self.app = create_app(self.runner, tokenizer, model_name=model_name, max_model_len=self.max_model_len,
-                              request_timeout=request_timeout, max_body_bytes=max_body_bytes)
+    def __init__(self, model, tokenizer, *, model_name: str = "default", host: str = "127.0.0.1", port: int = 0,
+                 **server_options):
+        self.runner, self.app, self.max_model_len = build_server(model, tokenizer, model_name=model_name,
+                                                                 **server_options)
+        self.engine = self.runner.engine
         self.host, self.port = host, port
 
     def __enter__(self) -> "BackgroundServer":
@@ -467,19 +485,13 @@ def run(args) -> int:
     check_args(args)
     sock = bind(args.host, args.port)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    if tokenizer is None:
-        raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json): a server needs one")
-    if model.config.sliding_window is not None:
-        raise ValueError(f"model {args.model!r} has sliding-window attention layers, which the paged engine does not "
-                         f"support yet: serve a Llama-, Qwen2- or GPT-2-style model")
-    engine = Engine(model, tokenizer, block_size=args.block_size, kv_cache_mb=args.kv_cache_mb,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    prefix_caching=not args.no_prefix_caching)
-    max_model_len = context_limit(model, engine, args.max_model_len)
     name = args.served_model_name or args.model
-    runner = AsyncEngine(engine, args.max_waiting).start()
-    app = create_app(runner, tokenizer, model_name=name, max_model_len=max_model_len,
-                     request_timeout=args.request_timeout, max_body_bytes=int(args.max_body_mb * 2**20))
+    runner, app, max_model_len = build_server(
+        model, tokenizer, model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout, max_body_bytes=int(args.max_body_mb * 2**20),
+        block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching)
+    runner.start()
     host, port = sock.getsockname()[:2]
     print(f"minillm: serving {name!r} on http://{host}:{port}/v1 (max {max_model_len} tokens per request, "
           f"{args.max_num_seqs} at once; Ctrl-C stops)", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ def sliding_window_mask(positions: torch.Tensor, num_keys: int, window: int) -> 
 
 def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """Exercise 3: From neighbours to halves"""
-    half, still = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    still = (head_dim - rotary_dim) // 2
     evens, odds = torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)
     passing = torch.arange(rotary_dim, head_dim)
     return torch.cat((evens, passing[:still], odds, passing[still:]))
