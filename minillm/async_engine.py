@@ -42,10 +42,9 @@ class EngineFailed(RuntimeError):
 
 @dataclass
 class Submitted:
-    """What `submit` hands back: the engine's request ids, each prompt's length, and one event queue for all."""
+    """What `submit` hands back: the engine's request ids and one event queue for all."""
 
     ids: list[int]
-    prompt_tokens: list[int]
     events: asyncio.Queue  # GenerationEvent (event.row is the request id) or an EngineFailed
 
 
@@ -127,8 +126,7 @@ class AsyncEngine:
             raise
         for request_id in ids:
             self._routes[request_id] = (loop, events)
-        prompt_tokens = [len(self.engine.requests[i].prompt_ids) for i in ids]
-        return Submitted(ids, prompt_tokens, events)
+        return Submitted(ids, events)
 
     def _abort(self, ids) -> None:
         for request_id in ids:

@@ -89,10 +89,13 @@ class BodyLimit:
 
 
 class Choices:
-    """One HTTP request's engine requests (n choices per prompt), as OpenAI's choice indices."""
+    """One HTTP request's engine requests (n choices per prompt), as OpenAI's choice indices.
 
-    def __init__(self, submitted: Submitted):
-        self.submitted = submitted
+    prompt_tokens counts each prompt once, however many choices share it, as OpenAI's usage does.
+    """
+
+    def __init__(self, submitted: Submitted, prompt_tokens: int):
+        self.submitted, self.prompt_tokens = submitted, prompt_tokens
         self.index = {request_id: i for i, request_id in enumerate(submitted.ids)}
         self.texts = [""] * len(submitted.ids)
         self.reasons: list[str | None] = [None] * len(submitted.ids)
@@ -106,7 +109,7 @@ class Choices:
         return i
 
     def usage(self) -> dict:
-        return usage(sum(self.submitted.prompt_tokens), self.completion_tokens)
+        return usage(self.prompt_tokens, self.completion_tokens)
 
 
 class OpenAIServer:
@@ -128,7 +131,7 @@ class OpenAIServer:
                 flat.append(prompt)
                 configs.append(sampling_config(body, budget, choice))
         try:
-            return Choices(await self.engine.submit(flat, configs))
+            return Choices(await self.engine.submit(flat, configs), sum(map(len, prompts)))
         except QueueFull as e:
             raise APIError(503, f"the server is busy: {e}", type="server_overloaded",
                            headers={"Retry-After": "1"}) from None

@@ -110,6 +110,7 @@ def test_seeded_choices_equal_generate_with_seed_plus_index(tiny_server, tiny_mo
                      seed=5 + i) for i in range(3)]
     assert [c.text for c in sorted(answer.choices, key=lambda c: c.index)] == expected
     assert len(set(expected)) > 1  # the seeds differ, so the choices do
+    assert answer.usage.prompt_tokens == len(tokenizer.encode("Hello"))  # once, not once per choice
 
 
 def test_concurrent_greedy_requests_each_equal_their_solo_output(tiny_server, tiny_model):
