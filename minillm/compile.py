@@ -1,11 +1,14 @@
 """Graph compilation: the model's forward as a few fixed-shape graphs (lesson 15).
 
 At batch 1 a decode step reads every weight once, so its floor is memory bandwidth.
-Run op by op, each of some twenty small ops per block (norms, RoPE, reshapes, the
-cache write, the mask, SDPA, the gated MLP) is a separate Python call and kernel
-launch over tiny tensors; that overhead, not the matmuls, is what keeps an eager
-decoder far from the bandwidth bound. `torch.compile` traces the forward into one
-graph and Inductor fuses the elementwise ops into a few generated C++ loops.
+Two things keep an eager decoder far from it. Each of some twenty small ops per
+block (norms, RoPE, reshapes, the cache write, the mask, SDPA, the gated MLP) is a
+separate Python call and kernel launch over tiny tensors. And each matmul is one
+activation row times a weight matrix, a shape general GEMM libraries are not built
+for: they stream the weight well below the memory bandwidth. `torch.compile` traces
+the forward into one graph; Inductor fuses the elementwise ops into a few generated
+C++ loops and, autotuning (`inductor_settings`), replaces the library matmuls with
+kernels generated for each weight's exact shape wherever those time faster.
 
 A graph is only reusable while the shapes it was traced with stay the same. A
 growing cache changes the key length every step, which would mean a new graph per
@@ -35,6 +38,7 @@ the updated keys/values out.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import weakref
@@ -142,10 +146,10 @@ class CompiledModel:
     `eager_calls`): the session's cache is the same either way.
     """
 
-    def __init__(self, model, chunk: int = 64):
+    def __init__(self, model, chunk: int = 64, autotune: bool = True):
         if chunk < 1:
             raise ValueError(f"chunk={chunk}: the prefill chunk length must be >= 1")
-        self.model, self.chunk, self.config = model, chunk, model.config
+        self.model, self.chunk, self.config, self.autotune = model, chunk, model.config, autotune
         self.graphs = 0  # graphs compiled so far (a recompile adds one)
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
         self.eager_calls = 0
@@ -173,9 +177,7 @@ class CompiledModel:
     def _timed(self, *args):
         """Run the compiled step; a call that compiled a graph adds its wall time to `compile_seconds`."""
         graphs, start = self.graphs, time.perf_counter()
-        # Freezing turns the weights into constants, so Inductor prepacks them for its matmul kernels (as the
-        # oneDNN swap does for the eager model). Set while the step runs: a graph compiles on its first call.
-        with torch._inductor.config.patch(freezing=True):
+        with inductor_settings(self.autotune, self.device):  # set while the step runs: a graph compiles on its first call
             out = self.step(*args)
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - start
@@ -249,6 +251,37 @@ class CompiledModel:
         return torch.stack(pieces)[wanted // C, rows, torch.arange(wanted.shape[1], device=tokens.device)]
 
 
+@contextlib.contextmanager
+def inductor_settings(autotune: bool, device):
+    """Inductor's settings for a compile: frozen weights and, with `autotune`, generated matmul kernels.
+
+    Freezing turns the weights into constants, so Inductor may lay them out for its own
+    kernels once, at compile time. With autotune (`max_autotune`) each matmul becomes a
+    choice: the library call (MKL on x86 CPUs) or a kernel Inductor generates for this
+    exact shape (on CPUs its C++ GEMM template over the prepacked weight; on GPUs Triton
+    templates), timed on the spot, the fastest kept. At batch 1 a decode matmul is a
+    matrix-vector product whose speed is how fast the weight streams from memory, and a
+    kernel made for one shape (no blocking for rows that never come) streams it closer
+    to the memory bandwidth than a general GEMM library: that is most of the compiled
+    step's gain. Autotuning costs compile time, once per graph; Inductor's own table of
+    the timings is not printed.
+    """
+    from torch._inductor import config, select_algorithm
+
+    settings = {"freezing": True}
+    if autotune:
+        settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
+        if torch.device(device).type == "cpu":
+            settings["max_autotune_gemm_backends"] = "CPP,ATEN"
+    quiet = contextlib.nullcontext()
+    if autotune and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
+        from unittest import mock
+
+        quiet = mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
+    with config.patch(settings), quiet:
+        yield
+
+
 SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
 
 
@@ -262,14 +295,18 @@ def context_bucket(tokens: int, block_size: int) -> int:
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compile_model(model, chunk: int = 64) -> CompiledModel:
-    """The model's compiled twin, made once per model and chunk length (compiled graphs are kept with it)."""
+def compile_model(model, chunk: int = 64, autotune: bool = True) -> CompiledModel:
+    """The model's compiled twin, made once per model and settings (compiled graphs are kept with it).
+
+    autotune: let Inductor time generated matmul kernels against the library's and keep the
+    fastest (`inductor_settings`): slower to compile, faster to run.
+    """
     if isinstance(model, CompiledModel):
         return model
     per_model = _COMPILED.setdefault(model, {})
-    if chunk not in per_model:
-        per_model[chunk] = CompiledModel(model, chunk)
-    return per_model[chunk]
+    if (chunk, autotune) not in per_model:
+        per_model[chunk, autotune] = CompiledModel(model, chunk, autotune)
+    return per_model[chunk, autotune]
 
 
 __all__ = ["CompiledModel", "ColumnWrites", "FixedRope", "compile_model", "context_bucket", "graph_forward",

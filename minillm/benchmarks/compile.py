@@ -7,12 +7,14 @@ produce exactly `new_tokens` tokens, greedy):
     minillm compiled     `generate(compile=True)`: torch.compile over the fixed-shape static cache
     onnxruntime          the exported prefill/decode graphs (`minillm.export`, `minillm.onnx_runner`)
     transformers         `generate`, its default dynamic cache (the reference)
+    llama.cpp F32        llama-cpp-python on an F32 GGUF of the same weights (float32 only,
+                         when installed: `minillm.benchmarks.llama_cpp`)
 
 in float32 and bfloat16. Reported: decode tokens/s and its share of the memory-bandwidth
 roofline (weight bytes per token times tokens/s over the bandwidth measured in the same
 run), prefill time of a `prefill_tokens` prompt, and the one-off costs: compiling (the
-calls that built graphs) and exporting plus loading into onnxruntime. llama.cpp joins
-when `llama_cpp` is importable and an F32 GGUF is given; otherwise the JSON says why not.
+calls that built graphs) and exporting plus loading into onnxruntime. Without llama.cpp
+the JSON says why it is missing.
 
     python -m minillm.bench compile            # 64 prompt + 128 new tokens, 192-token prefill
     python -m minillm.bench compile --quick    # 16 + 16, float32 only, one repeat
@@ -20,7 +22,6 @@ when `llama_cpp` is importable and an F32 GGUF is given; otherwise the JSON says
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import tempfile
@@ -35,6 +36,7 @@ from ..infer import generate
 from ..onnx_runner import OnnxRunner
 from .batch import TEXT
 from .decode import TokenClock
+from .llama_cpp import LlamaCpp, gguf_as, missing_reason
 
 
 def minillm_run(model, prompt, new_tokens, record, compile: bool):
@@ -53,6 +55,14 @@ def onnx_run(runner, prompt, new_tokens, record):
     return run
 
 
+def llama_cpp_run(llama: LlamaCpp, prompt, new_tokens, record):
+    def run():
+        seconds, tokens = llama.decode(prompt, new_tokens)
+        record.append(tokens)
+        return seconds
+    return run
+
+
 def transformers_run(hf_model, prompt, new_tokens, record):
     tokens = torch.tensor([prompt])
 
@@ -65,7 +75,7 @@ def transformers_run(hf_model, prompt, new_tokens, record):
     return run
 
 
-def prefill_runs(model, runner, hf_model, prompt) -> dict:
+def prefill_runs(model, runner, hf_model, llama, prompt) -> dict:
     """Time to the first token of `prompt` for each contender (one new token)."""
     runs = {"minillm eager": lambda: generate(model, [prompt], max_new_tokens=1).stats.prefill_seconds,
             "minillm compiled": lambda: generate(model, [prompt], max_new_tokens=1,
@@ -73,6 +83,8 @@ def prefill_runs(model, runner, hf_model, prompt) -> dict:
             "transformers": lambda: timed(lambda: hf_model(torch.tensor([prompt]), logits_to_keep=1))}
     if runner is not None:
         runs["onnxruntime"] = lambda: runner.generate(prompt, max_new_tokens=1).stats.prefill_seconds
+    if llama is not None:
+        runs["llama.cpp F32"] = lambda: llama.prefill(prompt)
     return runs
 
 
@@ -114,8 +126,11 @@ def run(args) -> dict:
     dtypes = ("float32",) if quick else ("float32", "bfloat16")
     folder = resolve_checkpoint_folder(args.model)
     bandwidth = measure_memory_bandwidth(device=args.device)
-    llama_cpp = ("installed, but this suite needs an F32 GGUF of the same weights: not measured"
-                 if importlib.util.find_spec("llama_cpp") else "not installed (pip install llama-cpp-python)")
+    llama_cpp = missing_reason()
+    if llama_cpp is None:
+        from ..quant_gguf import gguf_path_for
+
+        f32_gguf = gguf_as(gguf_path_for(args.model), "F32")
 
     results = {}
     for dtype in dtypes:
@@ -136,9 +151,14 @@ def run(args) -> dict:
                 contenders["onnxruntime"] = onnx_run(runner, prompt, new_tokens, records.setdefault("onnxruntime", []))
             contenders["transformers"] = transformers_run(hf_model, prompt, new_tokens,
                                                           records.setdefault("transformers", []))
+            llama = None
+            if llama_cpp is None and dtype == "float32":
+                llama = LlamaCpp(f32_gguf, context, threads=torch.get_num_threads())
+                contenders["llama.cpp F32"] = llama_cpp_run(llama, prompt, new_tokens,
+                                                            records.setdefault("llama.cpp F32", []))
             times = alternate(contenders, repeats=repeats, warmup=1, desc=f"compile {dtype}")  # warm-up compiles
-            prefill = alternate(prefill_runs(model, runner, hf_model, ids[:prefill_tokens]), repeats=repeats,
-                                warmup=1, desc=f"prefill {dtype}")
+            prefill = alternate(prefill_runs(model, runner, hf_model, llama, ids[:prefill_tokens]),
+                                repeats=repeats, warmup=1, desc=f"prefill {dtype}")
         weight_bytes = model.num_weight_bytes()
         rows = {}
         for name, seconds in times.items():
@@ -160,7 +180,7 @@ def run(args) -> dict:
                   flush=True)
         print(f"{dtype:8s} compile {compiled.compile_seconds:.0f} s ({compiled.graphs} graphs); ONNX {onnx_costs}",
               flush=True)
-        del model, hf_model, compiled
+        del model, hf_model, compiled, llama
 
     return {"model": args.model, "quick": quick, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
             "prefill_tokens": prefill_tokens, "context": context, "chunk": chunk, "repeats": repeats,
@@ -169,7 +189,7 @@ def run(args) -> dict:
 
 
 COLORS = {"minillm eager": "tab:blue", "minillm compiled": "tab:green", "onnxruntime": "tab:purple",
-          "transformers": "tab:orange"}
+          "transformers": "tab:orange", "llama.cpp F32": "tab:red"}
 
 
 def plot(data: dict, path=None):

@@ -11,8 +11,9 @@ Speed: decode tokens/s at batch 1 and 8 (greedy, static cache, EOS off so every 
 produces exactly `new_tokens`) and the prefill time of a 512-token prompt, contenders
 alternating in one run: float32 (oneDNN, the default), bfloat16, weight-only int8,
 int4 (own quantization, int8 head), the GGUF's Q4_1 blocks run natively (int8 or int4
-head), dynamic int8; transformers float32 on the same weights as the reference, and
-llama.cpp (`llama-cpp-python`) on the same GGUF when it is installed.
+head), dynamic int8; transformers float32 on the same weights as the reference, and,
+when `llama-cpp-python` is installed, llama.cpp on the same GGUF (Q4_1) and on its
+Q8_0 requantization (`minillm.benchmarks.llama_cpp`), batch 1.
 
     python -m minillm.bench quant            # 128 prompt + 128 new tokens, all ~12k held-out tokens
     python -m minillm.bench quant --quick    # 32 + 16, 1024 held-out tokens, 1 repeat
@@ -33,6 +34,7 @@ from ..quant import linears, quantize_model, weight_bytes
 from ..quant_gguf import gguf_path_for, use_gguf_weights
 from .batch import TEXT
 from .common import alternate, finish_figure, measure_memory_bandwidth, median, plot_title
+from .llama_cpp import LlamaCpp, gguf_as, missing_reason
 
 BATCHES = (1, 8)
 
@@ -90,25 +92,8 @@ def _transformers_decode(hf_model, prompts, new_tokens):
     return run
 
 
-def _llama_cpp(gguf, prompt, new_tokens):
-    """llama.cpp on the same GGUF, when `llama_cpp` is importable (None otherwise)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False,
-                use_extra_bufts=False)  # its repacked-weight path has crashed on some x86 CPUs
-
-    def run():
-        import time
-
-        llm.reset()
-        llm.eval(prompt)
-        start = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            llm.eval([llm.sample(temp=0)])
-        return time.perf_counter() - start
-    return run
+def _llama_cpp_decode(llama: LlamaCpp, prompt, new_tokens):
+    return lambda: llama.decode(prompt, new_tokens)[0]
 
 
 def run(args) -> dict:
@@ -147,13 +132,18 @@ def run(args) -> dict:
     folder = resolve_checkpoint_folder(args.model)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     hf_model.generation_config.eos_token_id = None
+    llamas = {}
+    if missing_reason() is None:
+        context = prompt_tokens + new_tokens + 8
+        llamas = {f"llama.cpp {kind}": LlamaCpp(path, context, threads=torch.get_num_threads())
+                  for kind, path in (("Q4_1", gguf), ("Q8_0", gguf_as(gguf, "Q8_0")))}
     speed = {}
     for batch in BATCHES:
         prompts = [ids[i * 7: i * 7 + prompt_tokens] for i in range(batch)]
         contenders = {name: _decode(m, prompts, new_tokens) for name, m in variants.items()}
         contenders["transformers float32"] = _transformers_decode(hf_model, prompts, new_tokens)
-        if batch == 1 and (llama := _llama_cpp(gguf, prompts[0], new_tokens)) is not None:
-            contenders["llama.cpp Q4_1"] = llama
+        if batch == 1:
+            contenders.update({name: _llama_cpp_decode(llama, prompts[0], new_tokens) for name, llama in llamas.items()})
         with torch.inference_mode():
             times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode batch {batch}")
         speed[batch] = {}
@@ -176,7 +166,7 @@ def run(args) -> dict:
             "memory_bandwidth_gb_s": bandwidth / 1e9, "accuracy": accuracy,
             "decode": {str(b): rows for b, rows in speed.items()},
             "prefill": {"tokens": prefill_tokens, "seconds": prefill},
-            "llama_cpp": "llama.cpp Q4_1" in speed[1]}
+            "llama_cpp": missing_reason() or "measured: Q4_1 on the same GGUF, Q8_0 on its requantization"}
 
 
 def plot(data: dict, path=None):

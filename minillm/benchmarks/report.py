@@ -482,7 +482,7 @@ def server_section(title: str, data: dict, links: dict) -> str:
 
 def compile_section(title: str, data: dict, links: dict) -> str:
     results = data["results"]
-    names = ("minillm eager", "minillm compiled", "onnxruntime", "transformers")
+    names = ("minillm eager", "minillm compiled", "onnxruntime", "transformers", "llama.cpp F32")
     header = ["precision", *(f"{name} tok/s" for name in names), "compiled / eager", "compiled, share of roofline",
               "compile s", "export s"]
     rows, notes = [], []
@@ -505,13 +505,21 @@ def compile_section(title: str, data: dict, links: dict) -> str:
             notes.append(bullet(f"Tokens differing from eager minillm: {', '.join(differing)} (in reduced "
                                 "precision fused kernels round differently from separate ops; in FP32 they must "
                                 "match)."))
-    notes.append(bullet(f"llama.cpp: {data['llama_cpp']}."))
+    if data["llama_cpp"] is not None:
+        notes.append(bullet(f"llama.cpp: {data['llama_cpp']}."))
     return "\n\n".join([
         heading(title, links,
                 f"{model_label(data['model'])}, {data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, "
                 f"greedy, batch 1, decode tokens/s; every graph over a cache of {data['context']} tokens. Compile "
                 "and export are one-off costs, paid before the first token."),
         provenance(data), table(header, rows), "\n".join(notes)])
+
+
+def llama_cpp_note(value) -> str:
+    """The quant JSON's llama.cpp entry; runs before this one stored a bool."""
+    if isinstance(value, str):
+        return value
+    return "measured on the same GGUF" if value else "not installed (`llama-cpp-python`), so not measured in this run"
 
 
 def quant_section(title: str, data: dict, links: dict) -> str:
@@ -533,8 +541,7 @@ def quant_section(title: str, data: dict, links: dict) -> str:
     ratio = decode["1"][fastest]["tokens_per_second"] / decode["1"]["float32"]["tokens_per_second"]
     notes = [bullet(f"Fastest at batch 1: {fastest}, {times(ratio)} float32, perplexity "
                     f"{accuracy[fastest]['perplexity_change']:+.1%}."),
-             bullet("llama.cpp: " + ("measured on the same GGUF." if data["llama_cpp"] else
-                                     "not installed (`llama-cpp-python`), so not measured in this run."))]
+             bullet(f"llama.cpp: {llama_cpp_note(data['llama_cpp'])}.")]
     return "\n\n".join([
         heading(title, links,
                 f"{model_label(data['model'])}, perplexity on {data['held_out_tokens']} held-out tokens (windows of "
