@@ -369,3 +369,71 @@ def test_quantized_modules_are_not_float_linears():
 
 def test_notebook_runs(run_notebook):
     run_notebook("14_quantization.ipynb", timeout=600)
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp's copies
+
+def write_gguf(path, tensors: dict, file_type: int = 3) -> None:
+    """A small GGUF: the metadata llama.cpp reads first and `tensors` (name -> (array, GGML type))."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_file_type(file_type)
+    writer.add_block_count(1)
+    writer.add_token_list(["<a>", "<b>"])
+    for name, (array, kind) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_copies_for_llama_cpp_keep_the_weights_and_the_metadata(tmp_path, monkeypatch):
+    """The F32 copy holds exactly the dequantized weights; Q8_0 within its half-step; norms and metadata as they were."""
+    import gguf
+
+    from minillm.benchmarks.llama_cpp import gguf_as
+
+    monkeypatch.setenv("MINILLM_HOME", str(tmp_path / "home"))
+    Q4_1, Q8_0, F32 = (gguf.GGMLQuantizationType[k] for k in ("Q4_1", "Q8_0", "F32"))
+    weight = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    norm = np.linspace(0.5, 1.5, 64, dtype=np.float32)
+    source = tmp_path / "model.Q4_1.gguf"
+    write_gguf(source, {"blk.0.ffn_down.weight": (gguf.quants.quantize(weight, Q4_1), Q4_1),
+                        "blk.0.attn_norm.weight": (norm, F32)})
+    stored = gguf.quants.dequantize(gguf.GGUFReader(source).tensors[0].data, Q4_1)  # what minillm loads
+    for kind, tolerance in (("F32", 0.0), ("Q8_0", None)):
+        copy_path = gguf_as(source, kind)
+        reader = gguf.GGUFReader(copy_path)
+        tensors = {t.name: t for t in reader.tensors}
+        down, kept = tensors["blk.0.ffn_down.weight"], tensors["blk.0.attn_norm.weight"]
+        assert down.tensor_type == gguf.GGMLQuantizationType[kind] and kept.tensor_type == F32
+        values = gguf.quants.dequantize(down.data, down.tensor_type).reshape(stored.shape)
+        bound = tolerance if tolerance is not None else np.abs(stored).max() / 127 / 2 * 1.01  # Q8_0: half a step
+        assert np.abs(values - stored).max() <= bound
+        np.testing.assert_array_equal(kept.data, norm)
+        assert reader.fields["general.file_type"].contents() == {"F32": 0, "Q8_0": 7}[kind]
+        assert reader.fields["tokenizer.ggml.tokens"].contents() == ["<a>", "<b>"]
+        assert gguf_as(source, kind) == copy_path  # made once
+    assert sorted(p.name for p in copy_path.parent.iterdir()) == ["model.Q4_1.F32.gguf", "model.Q4_1.Q8_0.gguf"]
+    with pytest.raises(ValueError, match="choose one of F32, Q8_0"):
+        gguf_as(source, "Q2_K")
+
+
+def test_an_interrupted_gguf_copy_leaves_nothing_behind(tmp_path, monkeypatch):
+    import gguf
+
+    from minillm.benchmarks.llama_cpp import gguf_as
+
+    monkeypatch.setenv("MINILLM_HOME", str(tmp_path / "home"))
+    source = tmp_path / "model.gguf"
+    Q8_0 = gguf.GGMLQuantizationType.Q8_0
+    write_gguf(source, {"blk.0.ffn_down.weight": (gguf.quants.quantize(np.ones((4, 32), np.float32), Q8_0), Q8_0)})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_as(source, "F32")
+    assert list((tmp_path / "home" / "llama.cpp").iterdir()) == []

@@ -11,7 +11,8 @@ Speed: decode tokens/s at batch 1 and 8 (greedy, static cache, EOS off so every 
 produces exactly `new_tokens`) and the prefill time of a 512-token prompt, contenders
 alternating in one run: float32 (oneDNN, the default), bfloat16, weight-only int8,
 int4 (own quantization, int8 head), the GGUF's Q4_1 blocks run natively (int8 or int4
-head), dynamic int8; transformers float32 on the same weights as the reference, and,
+head), dynamic int8, and at batch 1 the int8 and GGUF ones also compiled (`generate(compile=True)`,
+lesson 15: Inductor's generated kernels for the quantized matmuls); transformers float32 on the same weights as the reference, and,
 when `llama-cpp-python` is installed, llama.cpp on the same GGUF (Q4_1) and on its
 Q8_0 requantization (`minillm.benchmarks.llama_cpp`), batch 1.
 
@@ -37,6 +38,8 @@ from .common import alternate, finish_figure, measure_memory_bandwidth, median, 
 from .llama_cpp import LlamaCpp, gguf_as, missing_reason
 
 BATCHES = (1, 8)
+COMPILED = ("int8", "GGUF Q4_1 (int8 head)", "GGUF Q4_1 (int4 head)")  # also run compiled (lesson 15), batch 1
+COMPILED_SUFFIX = ", compiled"
 
 
 def params_read(model) -> int:
@@ -70,9 +73,9 @@ def bits_of(name: str, model, reference) -> float:
     return 8 * weight_bytes(model) / params_read(reference)
 
 
-def _decode(model, prompts, new_tokens):
+def _decode(model, prompts, new_tokens, compile: bool = False):
     def run():
-        out = generate(model, prompts, cache="static", max_new_tokens=new_tokens)
+        out = generate(model, prompts, cache="static", max_new_tokens=new_tokens, compile=compile)
         return out.stats.decode_seconds
     return run
 
@@ -142,7 +145,9 @@ def run(args) -> dict:
         prompts = [ids[i * 7: i * 7 + prompt_tokens] for i in range(batch)]
         contenders = {name: _decode(m, prompts, new_tokens) for name, m in variants.items()}
         contenders["transformers float32"] = _transformers_decode(hf_model, prompts, new_tokens)
-        if batch == 1:
+        if batch == 1:  # the first (warm-up) round compiles: autotuning each variant's matmuls takes minutes
+            contenders.update({name + COMPILED_SUFFIX: _decode(variants[name], prompts, new_tokens, compile=True)
+                               for name in COMPILED})
             contenders.update({name: _llama_cpp_decode(llama, prompts[0], new_tokens) for name, llama in llamas.items()})
         with torch.inference_mode():
             times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode batch {batch}")
@@ -193,6 +198,12 @@ def plot(data: dict, path=None):
     left.set_title("accuracy against size (squares: MX codecs, float32 compute)", fontsize=9)
     left.grid(alpha=0.3)
     for i, (name, row) in enumerate(decode.items()):
+        base = name.removesuffix(COMPILED_SUFFIX)
+        if name != base and base in accuracy:  # the same weights compiled: its variant's accuracy, faster
+            right.scatter(row["tokens_per_second"], accuracy[base]["perplexity"], color="tab:green", marker="D")
+            right.annotate(name, (row["tokens_per_second"], accuracy[base]["perplexity"]), fontsize=7,
+                           xytext=(4, -9 + 9 * (i % 3)), textcoords="offset points", color="tab:green")
+            continue
         if name not in accuracy:
             right.axvline(row["tokens_per_second"], color="tab:orange", ls="--", lw=1)
             right.annotate(name, (row["tokens_per_second"], accuracy["float32"]["perplexity"]), fontsize=7,
@@ -209,7 +220,7 @@ def plot(data: dict, path=None):
         ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     right.set_xlabel("decode speed at batch 1 (tokens/s; whiskers: min-max over repeats)")
     right.set_ylabel("perplexity (log scale)")
-    right.set_title("accuracy against speed (dashed: references)", fontsize=9)
+    right.set_title("accuracy against speed (dashed: references; diamonds: compiled)", fontsize=9)
     right.grid(alpha=0.3)
     fig.suptitle(plot_title("Quantized weights", data, "float32 / bfloat16 / int8 / int4 / MX") +
                  f"\n{data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, greedy; medians of "

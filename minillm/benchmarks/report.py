@@ -535,13 +535,19 @@ def quant_section(title: str, data: dict, links: dict) -> str:
                      *speeds, f"{prefill[name]:.2f}" if name in prefill else "—"])
     for name in decode[batches[0]]:
         if name not in accuracy:
-            rows.append([name, "", "", "", "", "", *(f"{decode[b][name]['tokens_per_second']:.1f}" if name in decode[b]
-                                                    else "—" for b in batches), "—"])
-    fastest = max((n for n in decode["1"] if n in accuracy), key=lambda n: decode["1"][n]["tokens_per_second"])
-    ratio = decode["1"][fastest]["tokens_per_second"] / decode["1"]["float32"]["tokens_per_second"]
-    notes = [bullet(f"Fastest at batch 1: {fastest}, {times(ratio)} float32, perplexity "
-                    f"{accuracy[fastest]['perplexity_change']:+.1%}."),
-             bullet(f"llama.cpp: {llama_cpp_note(data['llama_cpp'])}.")]
+            base = accuracy.get(name.removesuffix(", compiled"))  # a compiled variant: its weights' accuracy
+            known = ([f"{base['bits_per_weight']:.2f}", f"{base['perplexity']:.2f}", f"{base['perplexity_change']:+.1%}",
+                      "", ""] if base else [""] * 5)
+            rows.append([name, *known, *(f"{decode[b][name]['tokens_per_second']:.1f}" if name in decode[b]
+                                         else "—" for b in batches), "—"])
+    speed = {name: row["tokens_per_second"] for name, row in decode["1"].items()}
+    fastest = max((n for n in speed if n.removesuffix(", compiled") in accuracy), key=speed.get)
+    notes = [bullet(f"Fastest at batch 1: {fastest}, {times(speed[fastest] / speed['float32'])} float32, "
+                    f"perplexity {accuracy[fastest.removesuffix(', compiled')]['perplexity_change']:+.1%}.")]
+    for ours, theirs in (("GGUF Q4_1 (int4 head), compiled", "llama.cpp Q4_1"), ("int8, compiled", "llama.cpp Q8_0")):
+        if ours in speed and theirs in speed:
+            notes.append(bullet(f"{ours} against {theirs}: {times(speed[ours] / speed[theirs])}."))
+    notes.append(bullet(f"llama.cpp: {llama_cpp_note(data['llama_cpp'])}."))
     return "\n\n".join([
         heading(title, links,
                 f"{model_label(data['model'])}, perplexity on {data['held_out_tokens']} held-out tokens (windows of "
