@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import warnings
 import weakref
 
 import torch
@@ -278,7 +279,9 @@ def inductor_settings(autotune: bool, device):
         from unittest import mock
 
         quiet = mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
-    with config.patch(settings), quiet:
+    with config.patch(settings), quiet, warnings.catch_warnings():
+        # Inductor's autotuner itself still calls the deprecated `Tensor.storage()`: not the reader's concern.
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         yield
 
 

@@ -499,6 +499,10 @@ def compile_section(title: str, data: dict, links: dict) -> str:
         if "unsupported" in res["onnx"]:
             notes.append(bullet(f"onnxruntime's CPU provider could not run the {PRECISIONS.get(dtype, dtype)} "
                                 f"graphs: `{res['onnx']['unsupported']}`."))
+        if "llama.cpp F32" in c:
+            notes.append(bullet(f"{PRECISIONS.get(dtype, dtype)} minillm compiled against llama.cpp F32 on the same "
+                                f"weights: {times(compiled['tokens_per_second'] / c['llama.cpp F32']['tokens_per_second'])}"
+                                f" decode speed."))
         differing = [f"{name} ({PRECISIONS.get(dtype, dtype)})" for name, row in c.items()
                      if not row["same_tokens_as_eager"]]
         if differing:
@@ -513,13 +517,6 @@ def compile_section(title: str, data: dict, links: dict) -> str:
                 f"greedy, batch 1, decode tokens/s; every graph over a cache of {data['context']} tokens. Compile "
                 "and export are one-off costs, paid before the first token."),
         provenance(data), table(header, rows), "\n".join(notes)])
-
-
-def llama_cpp_note(value) -> str:
-    """The quant JSON's llama.cpp entry; runs before this one stored a bool."""
-    if isinstance(value, str):
-        return value
-    return "measured on the same GGUF" if value else "not installed (`llama-cpp-python`), so not measured in this run"
 
 
 def quant_section(title: str, data: dict, links: dict) -> str:
@@ -547,7 +544,7 @@ def quant_section(title: str, data: dict, links: dict) -> str:
     for ours, theirs in (("GGUF Q4_1 (int4 head), compiled", "llama.cpp Q4_1"), ("int8, compiled", "llama.cpp Q8_0")):
         if ours in speed and theirs in speed:
             notes.append(bullet(f"{ours} against {theirs}: {times(speed[ours] / speed[theirs])}."))
-    notes.append(bullet(f"llama.cpp: {llama_cpp_note(data['llama_cpp'])}."))
+    notes.append(bullet(f"llama.cpp: {data['llama_cpp']}."))
     return "\n\n".join([
         heading(title, links,
                 f"{model_label(data['model'])}, perplexity on {data['held_out_tokens']} held-out tokens (windows of "
