@@ -47,6 +47,8 @@ import weakref
 import torch
 from torch import nn
 
+from .attention import set_attention_backend
+from .attention_kernels import make_backend
 from .kv_cache import StaticCache
 from .model import RopeTable
 from .onednn import use_plain_linear
@@ -103,11 +105,15 @@ class ColumnWrites:
         self.columns, self.in_place = columns, in_place
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
-        index = self.columns[:, None, :, None].expand_as(k_new)  # [B, KV, T, hd]
-        for store, new in ((self.keys, k_new), (self.values, v_new)):
-            if self.in_place:
-                store[layer].scatter_(2, index, new)
-            else:
+        if self.in_place:
+            # An indexed assignment (index_put_), which Inductor writes in place: the columns and nothing
+            # else. A scatter_ on a graph input is compiled as copy out, scatter, copy back, every column.
+            rows = torch.arange(k_new.shape[0], device=k_new.device)[:, None]  # [B, 1]
+            for store, new in ((self.keys, k_new), (self.values, v_new)):
+                store[layer][rows, :, self.columns] = new.transpose(1, 2)  # indexed as [B, T, KV, hd]
+        else:
+            index = self.columns[:, None, :, None].expand_as(k_new)  # [B, KV, T, hd]
+            for store, new in ((self.keys, k_new), (self.values, v_new)):
                 store[layer] = store[layer].scatter(2, index, new)
         return self.keys[layer], self.values[layer]
 
@@ -154,8 +160,17 @@ class CompiledModel:
         self.graphs = 0  # graphs compiled so far (a recompile adds one)
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
         self.eager_calls = 0
-        self.step = torch.compile(CacheStep(graph_ready_copy(model)).eval(), backend=self._backend,
-                                  fullgraph=True, dynamic=False)
+        graph_model = graph_ready_copy(model)
+        # Attention written out as plain tensor ops (the textbook formula, lesson 16's `naive_attention`):
+        # Inductor fuses its mask, softmax and products with the cache write around it, where SDPA would
+        # stay one opaque library call per layer.
+        set_attention_backend(graph_model, make_backend("naive"))
+        # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
+        # hundreds of attribute checks, about a millisecond per decode step. This module is private to
+        # the twin and its weights are frozen into the graph, so the checks on it are skipped.
+        self.step = torch.compile(CacheStep(graph_model).eval(), backend=self._backend, fullgraph=True,
+                                  dynamic=False,
+                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     @property
     def device(self):
@@ -270,6 +285,10 @@ def inductor_settings(autotune: bool, device):
     from torch._inductor import config, select_algorithm
 
     settings = {"freezing": True}
+    if torch.device(device).type == "cpu":
+        # The graph's own driver in C++ rather than Python: a decode step launches some ten kernels per
+        # block, and calling each from Python costs more than the small ones take to run.
+        settings["cpp_wrapper"] = True
     if autotune:
         settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
         if torch.device(device).type == "cpu":
