@@ -151,22 +151,40 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
+def bandwidth_probe(gib: float = 1.0, passes: int = 3, device: str = "cpu"):
+    """A run for `alternate`: the seconds of the fastest of `passes` torch.sum calls over `gib` GiB.
+
+    Read bandwidth is `probe.bytes / seconds`. Sampled between the contenders of one
+    alternating run, it is the bandwidth the memory system offered while they ran: on a
+    shared VM that drifts with the neighbours' load (we saw 35-69 GB/s), and a roofline
+    measured at another moment would credit or blame the contenders for the drift.
+    """
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+
+    def run() -> float:
+        times = []
+        for _ in range(passes):
+            synchronize(device)
+            t = time.perf_counter()
+            x.sum()
+            synchronize(device)
+            times.append(time.perf_counter() - t)
+        return min(times)
+    run.bytes = x.numel() * 4
+    return run
+
+
 def measure_memory_bandwidth(gib: float = 1.0, repeats: int = 10, device: str = "cpu") -> float:
     """Peak read bandwidth in bytes/s: the fastest of `repeats` torch.sum calls over `gib` GiB.
 
     A roofline asks what the memory system can deliver at best, so this takes the
     fastest pass rather than the median: on a shared VM the median swings with the
-    neighbours' load (we saw 38-69 GB/s), while the best pass is far steadier.
+    neighbours' load, while the best pass is steadier (`bandwidth_probe` samples it
+    during a run instead).
     """
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        synchronize(device)
-        t = time.perf_counter()
-        x.sum()
-        synchronize(device)
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / min(times[1:])
+    probe = bandwidth_probe(gib, repeats, device)
+    probe()  # the first pass also faults the pages in
+    return probe.bytes / probe()
 
 
 def alternate(contenders: dict, repeats: int = 3, warmup: int = 1,
