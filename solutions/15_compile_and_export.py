@@ -26,9 +26,10 @@ def write_columns(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor)
     """Exercise 2: A cache write a graph can hold"""
     index = columns[:, None, :, None].expand_as(new)  # [B, KV, T, hd]: the column for every element of `new`
     return store.scatter(2, index, new)
-    # scatter_ (in place) is what the compiled step uses on the cache storage; an exported graph uses the
-    # functional scatter and returns the result as its `present_*` output. Slicing store[:, :, p:p + T] with a
-    # Python p would bake p into the graph: a new graph every step.
+    # An exported graph uses this functional scatter and returns the result as its `present_*` output. The
+    # compiled step writes the cache storage in place with an indexed assignment (store[rows, :, columns] = new),
+    # which Inductor keeps in place. Slicing store[:, :, p:p + T] with a Python p would bake p into the graph: a
+    # new graph every step.
 
 
 # ------------------------------------------------------------------ Exercise 3
