@@ -284,14 +284,15 @@ def inductor_settings(autotune: bool, device):
     """
     from torch._inductor import config, select_algorithm
 
+    on_cpu = torch.device(device).type == "cpu"
     settings = {"freezing": True}
-    if torch.device(device).type == "cpu":
+    if on_cpu:
         # The graph's own driver in C++ rather than Python: a decode step launches some ten kernels per
         # block, and calling each from Python costs more than the small ones take to run.
         settings["cpp_wrapper"] = True
     if autotune:
         settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
-        if torch.device(device).type == "cpu":
+        if on_cpu:
             settings["max_autotune_gemm_backends"] = "CPP,ATEN"
     quiet = contextlib.nullcontext()
     if autotune and hasattr(select_algorithm, "PRINT_AUTOTUNE"):

@@ -182,8 +182,7 @@ def measure_memory_bandwidth(gib: float = 1.0, repeats: int = 10, device: str = 
     neighbours' load, while the best pass is steadier (`bandwidth_probe` samples it
     during a run instead).
     """
-    probe = bandwidth_probe(gib, repeats, device)
-    probe()  # the first pass also faults the pages in
+    probe = bandwidth_probe(gib, repeats + 1, device)  # the first pass faults the pages in; the minimum skips it
     return probe.bytes / probe()
 
 

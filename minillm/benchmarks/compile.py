@@ -126,8 +126,7 @@ def run(args) -> dict:
     repeats = 1 if quick else args.repeats
     dtypes = ("float32",) if quick else ("float32", "bfloat16")
     folder = resolve_checkpoint_folder(args.model)
-    probe = bandwidth_probe(device=args.device)
-    probe()  # the first pass faults the pages in
+    probe = bandwidth_probe(device=args.device)  # alternated with the contenders, warm-up round included
     llama_cpp = missing_reason()
     if llama_cpp is None:
         from ..quant_gguf import gguf_path_for

@@ -11,9 +11,10 @@ Speed: decode tokens/s at batch 1 and 8 (greedy, static cache, EOS off so every 
 produces exactly `new_tokens`) and the prefill time of a 512-token prompt, contenders
 alternating in one run: float32 (oneDNN, the default), bfloat16, weight-only int8,
 int4 (own quantization, int8 head), the GGUF's Q4_1 blocks run natively (int8 or int4
-head), dynamic int8, and at batch 1 the int8 and GGUF ones also compiled (`generate(compile=True)`,
-lesson 15: Inductor's generated kernels for the quantized matmuls); transformers float32 on the same weights as the reference, and,
-when `llama-cpp-python` is installed, llama.cpp on the same GGUF (Q4_1) and on its
+head), dynamic int8, and at batch 1 the int8 and GGUF ones also compiled
+(`generate(compile=True)`, lesson 15: Inductor's generated kernels for the quantized
+matmuls); transformers float32 on the same weights as the reference, and, when
+`llama-cpp-python` is installed, llama.cpp on the same GGUF (Q4_1) and on its
 Q8_0 requantization (`minillm.benchmarks.llama_cpp`), batch 1.
 
     python -m minillm.bench quant            # 128 prompt + 128 new tokens, all ~12k held-out tokens
@@ -135,8 +136,8 @@ def run(args) -> dict:
     folder = resolve_checkpoint_folder(args.model)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     hf_model.generation_config.eos_token_id = None
-    llamas = {}
-    if missing_reason() is None:
+    llamas, llama_cpp = {}, missing_reason()
+    if llama_cpp is None:
         context = prompt_tokens + new_tokens + 8
         llamas = {f"llama.cpp {kind}": LlamaCpp(path, context, threads=torch.get_num_threads())
                   for kind, path in (("Q4_1", gguf), ("Q8_0", gguf_as(gguf, "Q8_0")))}
@@ -171,7 +172,7 @@ def run(args) -> dict:
             "memory_bandwidth_gb_s": bandwidth / 1e9, "accuracy": accuracy,
             "decode": {str(b): rows for b, rows in speed.items()},
             "prefill": {"tokens": prefill_tokens, "seconds": prefill},
-            "llama_cpp": missing_reason() or "measured: Q4_1 on the same GGUF, Q8_0 on its requantization"}
+            "llama_cpp": llama_cpp or "measured: Q4_1 on the same GGUF, Q8_0 on its requantization"}
 
 
 def plot(data: dict, path=None):
