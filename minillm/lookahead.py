@@ -198,13 +198,25 @@ def share_draft(context_paths, memory_paths, budget: int) -> list[tuple]:
     return list(chosen)
 
 
+def context_first(context_paths, memory_paths, budget: int) -> list[tuple]:
+    """Up to `budget` draft nodes, the context's first and the memory's after them (while the output
+    copies its context, what the context continues with beats what earlier outputs did). Both lists are
+    ancestor-closed and best first, so every prefix of the two in a row is a tree."""
+    chosen = dict.fromkeys(path for path, _ in context_paths[:budget])
+    for path, _ in memory_paths:
+        if len(chosen) >= budget:
+            break
+        chosen.setdefault(path)
+    return list(chosen)
+
+
 class Lookahead:
     """The lookahead drafter: a context trie per request, a memory trie across requests.
 
     `propose` feeds the tokens accepted since its last call into the context trie,
-    then drafts up to n nodes (the decoder's current budget, at most `decoding_length`)
-    from both tries' continuations of the sequence's suffix, `branch_length` deep at
-    most. `end` adds the finished output to the memory; `warm` adds texts of the kind
+    then drafts up to n nodes (the decoder's current budget, at most `decoding_length`;
+    a whole branch while the output copies its context) from both tries' continuations
+    of the sequence's suffix, `branch_length` deep at most. `end` adds the finished output to the memory; `warm` adds texts of the kind
     to come (the original builds its memory from a training split).
 
     The decoder reads `max_draft` (its budget's ceiling) and `adaptive` (shrink the
@@ -240,10 +252,21 @@ class Lookahead:
         self.context.extend(sequence[self.fed:])
         self.fed = len(sequence)
         budget = min(n, self.decoding_length)
-        found = [trie.continuations(sequence, budget, self.branch_length, self.max_match)
-                 for trie in (self.context, self.memory)]
-        tree = DraftTree.from_paths(sequence[-1], share_draft(*found, budget))
+        copying = self.copying(sequence)
+        if copying:
+            budget = max(budget, min(self.branch_length, self.decoding_length))
+        context, memory = [trie.continuations(sequence, budget, self.branch_length, self.max_match)
+                           for trie in (self.context, self.memory)]
+        paths = context_first(context, memory, budget) if copying else share_draft(context, memory, budget)
+        tree = DraftTree.from_paths(sequence[-1], paths)
         return Draft(tree.tokens[1:], parents=tree.parents[1:])
+
+    def copying(self, sequence) -> bool:
+        """Whether the sequence's last `max_match` tokens occurred earlier in this request: the output is
+        copying a span, which tends to go on, so the draft may take a whole branch even where the decoder's
+        budget has shrunk after a rejection (a copy's rejections mark its edits, not the end of copying)."""
+        node = self.context.find(sequence[-self.max_match:]) if len(sequence) >= self.max_match else None
+        return node is not None and bool(node.children)
 
     def rollback(self, sequence):
         pass  # the context trie holds accepted tokens only

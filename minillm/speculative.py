@@ -122,6 +122,13 @@ class Draft:
     q: torch.Tensor | None = None  # [len(tokens), V] the drafter's probabilities; None: deterministic (one-hot)
     parents: list[int] | None = None
 
+    def first(self, n: int) -> "Draft":
+        """The first n tokens: a chain's prefix, or a tree's first n nodes (parents come first, so still a tree)."""
+        if len(self.tokens) <= n:
+            return self
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
+                     None if self.parents is None else self.parents[:n])
+
 
 class Drafter(Protocol):
     def begin(self, target, tokenizer, max_len: int) -> None:
@@ -129,7 +136,8 @@ class Drafter(Protocol):
 
     def propose(self, sequence: list[int], n: int, config: SamplingConfig, history: TokenHistory,
                 generator: torch.Generator | None) -> Draft:
-        """Up to n tokens that might follow `sequence`."""
+        """Up to n tokens that might follow `sequence` (n: the decoder's current budget). A drafter sure of
+        more may return more; the decoder keeps at most its ceiling and what max_new_tokens leaves."""
 
     def rollback(self, sequence: list[int]) -> None:
         """Forget whatever was drafted beyond `sequence` (the target has decided)."""
@@ -387,16 +395,17 @@ class SpeculativeDecoder:
     def round(self) -> Round:
         """Draft up to `budget` tokens, verify them in one target forward, keep the agreed prefix + one."""
         remaining = self.config.max_new_tokens - len(self.state.token_ids)
-        n = 0 if self.pause else min(self.budget, remaining - 1)  # a round emits at most n + 1 tokens
+        most = min(self.k, remaining - 1)  # a round emits at most one token more than it drafts
+        n = 0 if self.pause else min(self.budget, most)
         self.pause = max(0, self.pause - 1)
         start = time.perf_counter()
-        draft = (self.drafter.propose(self.sequence, n, self.config, self.history, self.draft_generator)
+        draft = (self.drafter.propose(self.sequence, n, self.config, self.history, self.draft_generator).first(most)
                  if n > 0 else Draft([]))
         self.draft_seconds += time.perf_counter() - start
         if draft.parents is not None:
             result = self._verify_tree(draft)
         else:
-            result = self._verify_chain(draft, n)
+            result = self._verify_chain(draft)
         self.verify_forwards += 1
         self.drafted += len(result.drafted)
         self.accepted += result.accepted
@@ -404,9 +413,9 @@ class SpeculativeDecoder:
         self.drafter.rollback(self.sequence)
         return result
 
-    def _verify_chain(self, draft: Draft, n: int) -> Round:
+    def _verify_chain(self, draft: Draft) -> Round:
         """k drafted tokens in a row: accept while the target agrees (lesson 08's rule), then crop."""
-        drafted = draft.tokens[:n]
+        drafted = draft.tokens
         logits = self.session.extend([[self.sequence[-1], *drafted]])[0]  # [n + 1, V]: p after each verified token
         self.fed += len(drafted) + 1
         emitted, accepted = [], 0

@@ -88,17 +88,18 @@ def test_greedy_with_penalties_identical_to_plain(tiny, tiny_kind):
 
 class OracleDrafter:
     """Proposes plain greedy's own continuation, so every draft is accepted and a stop token
-    can be placed deliberately in the middle of one."""
+    can be placed deliberately in the middle of one. With `length`, it proposes that many tokens
+    whatever the budget, as a drafter sure of a long copy may."""
 
-    def __init__(self, full_sequence):
-        self.full = full_sequence
+    def __init__(self, full_sequence, length: int | None = None):
+        self.full, self.length = full_sequence, length
 
     def begin(self, target, tokenizer, max_len):
         pass
 
     def propose(self, sequence, n, config, history, generator):
         assert sequence == self.full[:len(sequence)]
-        return Draft(self.full[len(sequence):len(sequence) + n])
+        return Draft(self.full[len(sequence):len(sequence) + (self.length or n)])
 
     def rollback(self, sequence):
         pass

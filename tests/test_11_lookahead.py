@@ -7,11 +7,12 @@ import torch
 import pytest
 
 from minillm.infer import generate
-from minillm.lookahead import DraftTree, Lookahead, NGramTrie, likeliest_paths, share_draft
+from minillm.lookahead import DraftTree, Lookahead, NGramTrie, context_first, likeliest_paths, share_draft
 from minillm.sampling import SamplingConfig
 from minillm.session import DecodeSession, Tree
 from minillm.speculative import Draft, SpeculativeDecoder, speculative_generate
 from minillm.tiny import tiny_pair
+from test_08_speculative_decoding import OracleDrafter
 
 TINY_PROMPT = [5, 9, 14, 3, 27, 9, 14, 3, 8]
 
@@ -117,6 +118,35 @@ def test_share_draft_gives_both_sources_a_share():
     assert share_draft(context, memory, 1) == [(1,)]
 
 
+def test_context_first_fills_from_the_memory_only_after_the_context():
+    context = [((1,), 0.3), ((1, 2), 0.3), ((4,), 0.1)]
+    memory = [((5,), 0.9), ((1,), 0.5), ((5, 6), 0.4)]
+    assert context_first(context, memory, 2) == [(1,), (1, 2)]
+    assert context_first(context, memory, 5) == [(1,), (1, 2), (4,), (5,), (5, 6)]
+    assert context_first([], memory, 2) == [(5,), (1,)]
+
+
+def test_a_copy_drafts_a_whole_branch_whatever_the_budget():
+    lookahead = Lookahead(decoding_length=16, branch_length=4, max_match=2)
+    lookahead.begin(None, None, 64)
+    config, history = SamplingConfig(), None
+    copying = [5, 6, 7, 8, 9, 10, 11, 5, 6]  # "5 6" occurred before, followed by 7 8 9 10 ...
+    assert lookahead.propose(copying, 1, config, history, None).tokens == [7, 8, 9, 10]
+    assert lookahead.copying(copying)
+    lookahead.begin(None, None, 64)
+    fresh = [5, 6, 7, 8, 9, 10, 11, 4, 6]  # only "6" occurred before: a weak match keeps the budget
+    assert lookahead.propose(fresh, 1, config, history, None).tokens == [7]
+    assert not lookahead.copying(fresh)
+
+
+def test_a_draft_cut_to_its_first_nodes_is_still_a_tree():
+    tree = Draft([7, 8, 9, 10], parents=[0, 0, 1, 3])
+    assert tree.first(3) == Draft([7, 8, 9], parents=[0, 0, 1])
+    assert tree.first(9) is tree
+    chain = Draft([1, 2, 3], q=torch.eye(3))
+    assert chain.first(2).tokens == [1, 2] and torch.equal(chain.first(2).q, torch.eye(3)[:2])
+
+
 def test_likeliest_paths_are_ancestor_closed():
     trie = NGramTrie(depth=6)
     generator = torch.Generator().manual_seed(0)
@@ -174,6 +204,18 @@ def test_greedy_lookahead_equals_plain_greedy(tiny):
     cold = speculative_generate(model, TINY_PROMPT, Lookahead(), num_draft_tokens=16, max_new_tokens=40,
                                 eos_token_id=(), adaptive=True)
     assert cold.rows[0].token_ids == plain
+
+
+def test_the_decoder_cuts_a_longer_draft_to_what_the_output_may_still_take(tiny):
+    _, model = tiny
+    plain = generate(model, TINY_PROMPT, SamplingConfig(max_new_tokens=30, eos_token_id=())).rows[0].token_ids
+    for max_new in (2, 5, 12):
+        config = SamplingConfig(max_new_tokens=max_new, eos_token_id=())
+        decoder = SpeculativeDecoder(model, OracleDrafter(TINY_PROMPT + plain, length=10), TINY_PROMPT, config, num_draft_tokens=4)
+        decoder.prefill()
+        drafted = [len(decoder.round().drafted) for _ in range(max_new) if not decoder.finished]
+        assert drafted[0] == min(4, max_new - 2)  # the ceiling, or what max_new_tokens leaves
+        assert decoder.state.token_ids == plain[:max_new]
 
 
 def test_eos_inside_an_accepted_branch_stops_there(tiny):
