@@ -252,7 +252,8 @@ def decode_with(verify, model, prompt, lookahead, max_new_tokens, budget=12):
     rounds = []
     while len(sequence) - len(prompt) < max_new_tokens:
         room = max_new_tokens - (len(sequence) - len(prompt))
-        draft = lookahead.propose(sequence, min(budget, room - 1), None, None, None)
+        most = min(budget, room - 1)  # a copy may draft past the budget: cut it, as the decoder does
+        draft = lookahead.propose(sequence, most, None, None, None).first(most)
         tokens, parents = [sequence[-1], *draft.tokens], [-1, *draft.parents]
         before = len(sequence) - 1  # the session holds every token but the newest (the root)
         logits = session.extend([tokens], Tree.from_parents(parents))[0]  # [T, V]
@@ -272,7 +273,7 @@ def test_exercise_3_decoding_with_your_rule_gives_plain_greedy(answers, tiny):
     assert max(map(len, rounds)) >= 3 and len(rounds) < n - 1, "drafts were accepted"
     package, _ = warmed_lookahead(tiny, PROMPT, n)
     decoder = SpeculativeDecoder(tiny, package, PROMPT, SamplingConfig(max_new_tokens=n, eos_token_id=()),
-                                 num_draft_tokens=12)
+                                 num_draft_tokens=12, adaptive=False)  # decode_with's fixed budget
     decoder.prefill()
     package_rounds = []
     while not decoder.finished:
