@@ -202,12 +202,7 @@ def context_first(context_paths, memory_paths, budget: int) -> list[tuple]:
     """Up to `budget` draft nodes, the context's first and the memory's after them (while the output
     copies its context, what the context continues with beats what earlier outputs did). Both lists are
     ancestor-closed and best first, so every prefix of the two in a row is a tree."""
-    chosen = dict.fromkeys(path for path, _ in context_paths[:budget])
-    for path, _ in memory_paths:
-        if len(chosen) >= budget:
-            break
-        chosen.setdefault(path)
-    return list(chosen)
+    return list(dict.fromkeys(path for path, _ in [*context_paths, *memory_paths]))[:budget]
 
 
 class Lookahead:
@@ -216,8 +211,9 @@ class Lookahead:
     `propose` feeds the tokens accepted since its last call into the context trie,
     then drafts up to n nodes (the decoder's current budget, at most `decoding_length`;
     a whole branch while the output copies its context) from both tries' continuations
-    of the sequence's suffix, `branch_length` deep at most. `end` adds the finished output to the memory; `warm` adds texts of the kind
-    to come (the original builds its memory from a training split).
+    of the sequence's suffix, `branch_length` deep at most. `end` adds the finished
+    output to the memory; `warm` adds texts of the kind to come (the original builds
+    its memory from a training split).
 
     The decoder reads `max_draft` (its budget's ceiling) and `adaptive` (shrink the
     budget where drafts fail, so open-ended text costs little) from the drafter. The

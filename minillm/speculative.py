@@ -416,7 +416,7 @@ class SpeculativeDecoder:
     def _verify_chain(self, draft: Draft) -> Round:
         """k drafted tokens in a row: accept while the target agrees (lesson 08's rule), then crop."""
         drafted = draft.tokens
-        logits = self.session.extend([[self.sequence[-1], *drafted]])[0]  # [n + 1, V]: p after each verified token
+        logits = self.session.extend([[self.sequence[-1], *drafted]])[0]  # [k + 1, V]: p after each verified token
         self.fed += len(drafted) + 1
         emitted, accepted = [], 0
         for i in range(len(drafted) + 1):
