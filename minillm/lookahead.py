@@ -205,15 +205,82 @@ def context_first(context_paths, memory_paths, budget: int) -> list[tuple]:
     return list(dict.fromkeys(path for path, _ in [*context_paths, *memory_paths]))[:budget]
 
 
+RESUME_DEPTH = 2  # tokens drafted at each place a copy may go on at after an edit
+
+
+class CopyPointer:
+    """Which earlier text the output is copying, followed token by token through small edits.
+
+    `source` is the index in the sequence of the token a copy would continue with; `edit` the output
+    tokens since the last one that continued it (0: copying). A new token that equals the token at
+    `source` continues the copy, and so does one that equals one of the `skips - 1` tokens after it:
+    the edit replaced those (a corrected "bilt" -> " built" skips the passage's " b", "ilt" and goes
+    on at " in"). Any other token lengthens the edit, and an edit longer than `max_edit` tokens ends
+    the copy. While there is no copy, or an edit is under way, the sequence's last `max_match` tokens
+    (re)start one at their most recent earlier occurrence.
+
+        passage ... was  b  ilt  in ...        output ... was  built  in
+        after " was":   source at " b", edit 0 (copying)
+        after " built": source at " b", edit 1 (" built" is none of " b", "ilt", " in", " ")
+        after " in":    source at " " (" in" was 2 past " b"), edit 0 (copying again)
+    """
+
+    def __init__(self, max_match: int, skips: int = 4, max_edit: int = 4):
+        self.max_match, self.skips, self.max_edit = max_match, skips, max_edit
+        self.source: int | None = None
+        self.edit = 0
+
+    @property
+    def copying(self) -> bool:
+        return self.source is not None and self.edit == 0
+
+    @property
+    def resuming(self) -> bool:
+        return self.source is not None and self.edit > 0
+
+    def follow(self, sequence, start: int) -> None:
+        """Move along sequence[start:] (the tokens since the last call), then restart the copy if it broke."""
+        for position in range(start, len(sequence)):
+            if self.source is None:
+                continue
+            ahead = sequence[self.source:min(self.source + self.skips, position)]
+            if sequence[position] in ahead:
+                self.source += ahead.index(sequence[position]) + 1
+                self.edit = 0
+            elif self.edit < self.max_edit:
+                self.edit += 1
+            else:
+                self.source = None
+        if not self.copying and len(sequence) > self.max_match:
+            tail, m = sequence[-self.max_match:], self.max_match
+            for begin in range(len(sequence) - m - 1, -1, -1):  # the most recent earlier occurrence
+                if sequence[begin:begin + m] == tail:
+                    self.source, self.edit = begin + m, 0
+                    break
+
+    def paths(self, sequence, depth: int) -> list[tuple]:
+        """Draft paths (ancestor-closed, best first): copying, the `depth` tokens from the source on;
+        resuming after an edit, `depth` tokens from each of the `skips` places the copy may go on at."""
+        if self.source is None:
+            return []
+        paths: dict[tuple, None] = {}
+        for skip in range(1 if self.copying else self.skips):
+            branch = tuple(sequence[self.source + skip:self.source + skip + depth])
+            paths.update(dict.fromkeys(branch[:i] for i in range(1, len(branch) + 1)))
+        return list(paths)
+
+
 class Lookahead:
     """The lookahead drafter: a context trie per request, a memory trie across requests.
 
     `propose` feeds the tokens accepted since its last call into the context trie,
-    then drafts up to n nodes (the decoder's current budget, at most `decoding_length`;
-    a whole branch while the output copies its context) from both tries' continuations
-    of the sequence's suffix, `branch_length` deep at most. `end` adds the finished
-    output to the memory; `warm` adds texts of the kind to come (the original builds
-    its memory from a training split).
+    then drafts up to n nodes (the decoder's current budget, at most `decoding_length`)
+    from both tries' continuations of the sequence's suffix, `branch_length` deep at
+    most. While the output copies earlier text (`CopyPointer`), the draft is one
+    whole branch of that text, whatever the budget; right after an edit in a copy,
+    the places the copy may go on at lead the draft. `end` adds the finished output
+    to the memory; `warm` adds texts of the kind to come (the original builds its
+    memory from a training split).
 
     The decoder reads `max_draft` (its budget's ceiling) and `adaptive` (shrink the
     budget where drafts fail, so open-ended text costs little) from the drafter. The
@@ -228,7 +295,8 @@ class Lookahead:
         self.decoding_length, self.branch_length, self.max_match = decoding_length, branch_length, max_match
         self.memory = NGramTrie(max_match + branch_length, node_budget=memory_budget)
         self.context = NGramTrie(max_match + branch_length)
-        self.fed = 0  # tokens of the current sequence in the context trie
+        self.pointer = CopyPointer(max_match)
+        self.fed = 0  # tokens of the current sequence in the context trie and the pointer
 
     @property
     def max_draft(self) -> int:
@@ -242,27 +310,29 @@ class Lookahead:
 
     def begin(self, target, tokenizer, max_len):
         self.context = NGramTrie(self.max_match + self.branch_length)
+        self.pointer = CopyPointer(self.max_match)
         self.fed = 0
 
     def propose(self, sequence, n, config, history, generator) -> Draft:
+        self.pointer.follow(sequence, self.fed)
         self.context.extend(sequence[self.fed:])
         self.fed = len(sequence)
         budget = min(n, self.decoding_length)
-        copying = self.copying(sequence)
-        if copying:
-            budget = max(budget, min(self.branch_length, self.decoding_length))
+        lead, rest = [], []
+        if self.pointer.copying:  # a copy tends to go on: a whole branch, even where the budget shrank
+            budget = min(self.branch_length, self.decoding_length)
+            lead = self.pointer.paths(sequence, self.branch_length)
+        elif self.pointer.resuming:  # the copy's next places lead, the tries' guesses get the other half
+            rest = self.pointer.paths(sequence, RESUME_DEPTH)
+            budget = max(budget, min(len(rest), self.decoding_length))
+            lead = rest[:budget // 2]
         context, memory = [trie.continuations(sequence, budget, self.branch_length, self.max_match)
                            for trie in (self.context, self.memory)]
-        paths = context_first(context, memory, budget) if copying else share_draft(context, memory, budget)
+        share = context_first if self.pointer.copying else share_draft
+        shared = share(context, memory, budget)
+        paths = list(dict.fromkeys([*lead, *shared, *rest]))[:budget]
         tree = DraftTree.from_paths(sequence[-1], paths)
         return Draft(tree.tokens[1:], parents=tree.parents[1:])
-
-    def copying(self, sequence) -> bool:
-        """Whether the sequence's last `max_match` tokens occurred earlier in this request: the output is
-        copying a span, which tends to go on, so the draft may take a whole branch even where the decoder's
-        budget has shrunk after a rejection (a copy's rejections mark its edits, not the end of copying)."""
-        node = self.context.find(sequence[-self.max_match:]) if len(sequence) >= self.max_match else None
-        return node is not None and bool(node.children)
 
     def rollback(self, sequence):
         pass  # the context trie holds accepted tokens only
@@ -284,4 +354,5 @@ def check_lookahead_lengths(decoding_length=1, branch_length=1, as_flags: bool =
             raise ValueError(f"{setting} is invalid: must be an integer >= 1 ({what})")
 
 
-__all__ = ["Lookahead", "NGramTrie", "TrieNode", "likeliest_paths", "DraftTree", "share_draft", "check_lookahead_lengths"]
+__all__ = ["Lookahead", "CopyPointer", "NGramTrie",
+           "TrieNode", "likeliest_paths", "DraftTree", "share_draft", "check_lookahead_lengths"]

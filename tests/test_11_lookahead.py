@@ -7,7 +7,7 @@ import torch
 import pytest
 
 from minillm.infer import generate
-from minillm.lookahead import DraftTree, Lookahead, NGramTrie, context_first, likeliest_paths, share_draft
+from minillm.lookahead import CopyPointer, DraftTree, Lookahead, NGramTrie, context_first, likeliest_paths, share_draft
 from minillm.sampling import SamplingConfig
 from minillm.session import DecodeSession, Tree
 from minillm.speculative import Draft, SpeculativeDecoder, speculative_generate
@@ -132,11 +132,42 @@ def test_a_copy_drafts_a_whole_branch_whatever_the_budget():
     config, history = SamplingConfig(), None
     copying = [5, 6, 7, 8, 9, 10, 11, 5, 6]  # "5 6" occurred before, followed by 7 8 9 10 ...
     assert lookahead.propose(copying, 1, config, history, None).tokens == [7, 8, 9, 10]
-    assert lookahead.copying(copying)
+    assert lookahead.pointer.copying
     lookahead.begin(None, None, 64)
     fresh = [5, 6, 7, 8, 9, 10, 11, 4, 6]  # only "6" occurred before: a weak match keeps the budget
     assert lookahead.propose(fresh, 1, config, history, None).tokens == [7]
-    assert not lookahead.copying(fresh)
+    assert not lookahead.pointer.copying and not lookahead.pointer.resuming
+
+
+def test_the_copy_pointer_follows_a_copy_through_its_edits():
+    passage = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    pointer = CopyPointer(max_match=3)
+    sequence = passage + [10, 11, 12]  # the output starts copying the passage
+    pointer.follow(sequence, 0)
+    assert pointer.copying and pointer.source == 3
+    sequence += [13, 99]  # copies 13, then writes 99 in place of 14, 15 (an edit)
+    pointer.follow(sequence, len(sequence) - 2)
+    assert pointer.resuming and (pointer.source, pointer.edit) == (4, 1)
+    # the copy may go on at 14, 15, 16 or 17 (the edit replaced 0 to 3 tokens): each a branch
+    assert pointer.paths(sequence, 2) == [(14,), (14, 15), (15,), (15, 16), (16,), (16, 17), (17,), (17, 18)]
+    sequence += [16, 17]  # it went on at 16: the edit replaced two tokens, and copying resumes
+    pointer.follow(sequence, len(sequence) - 2)
+    assert pointer.copying and pointer.source == 8
+    assert pointer.paths(sequence, 4) == [(18,), (18, 19), (18, 19, 10), (18, 19, 10, 11)]
+    sequence += [98, 97, 96, 95, 94]  # an edit longer than max_edit: the copy is over
+    pointer.follow(sequence, len(sequence) - 5)
+    assert pointer.source is None and pointer.paths(sequence, 4) == []
+
+
+def test_after_an_edit_the_places_the_copy_may_go_on_at_lead_the_draft():
+    lookahead = Lookahead(decoding_length=16, branch_length=4, max_match=3)
+    lookahead.begin(None, None, 64)
+    passage = [10, 11, 12, 13, 14, 15, 16, 17]
+    assert lookahead.propose(passage + [10, 11, 12], 16, SamplingConfig(), None, None).tokens == [13, 14, 15, 16]
+    draft = lookahead.propose(passage + [10, 11, 12, 13, 99], 1, SamplingConfig(), None, None)
+    # budget 1, yet one branch per place the copy may go on at (14, 15, 16 or 17), each 2 deep
+    assert sorted(t for t, parent in zip(draft.tokens, draft.parents) if parent == 0) == [14, 15, 16, 17]
+    assert len(draft.tokens) == 8
 
 
 def test_a_draft_cut_to_its_first_nodes_is_still_a_tree():

@@ -20,7 +20,7 @@ decoding length), tokens fed per forward, acceptance per draft depth, the share 
 time spent retrieving drafts, and whether the tokens equal plain greedy's. A sweep over
 decoding length x branch length runs the warm lookahead once per setting.
 
-    python -m minillm.bench lookahead            # 2 held-out prompts per task, 128 new tokens, the sweep
+    python -m minillm.bench lookahead            # every held-out prompt, 128 new tokens, the sweep
     python -m minillm.bench lookahead --quick    # 1 prompt per task, 48 new tokens, a 2 x 2 sweep
 """
 
@@ -69,6 +69,14 @@ PASSAGES = (
     "Bees visit thousands of flowers every day to colect nectar and pollen. As they move from one flower to the "
     "next they carry pollen with them, which helps plants produce fruit and seeds. Without bees many of the foods "
     "we eat would become rare and expensiv.",
+    "The farmers market in the center of town is open every sunday from eight untill noon. Local growers sell "
+    "fresh vegtables, honey and bread, and in the summer there is allways a long line at the strawberry stand.",
+    "Last spring our class planted a small garden behind the school. We grew beans, carrots and sunflowers, and "
+    "each week two students were responsable for watering the plants and pulling out the weeds before they spred.",
+    "The museum recieved a rare collection of old maps from a private donor last month. The maps show the coast as "
+    "sailors saw it three hundred years ago, and they will be on display in the main hall untill the end of march.",
+    "Every winter the lake near our village freezes solid, and people come from miles arround to skate on it. "
+    "Volunteers check the thickness of the ice each morning and put up a red flag when it is not safe enuogh.",
 )
 CODES = (
     ("def total_price(items):\n    x = 0\n    for item in items:\n        x += item.price * item.quantity\n"
@@ -88,7 +96,7 @@ STORIES = (
     "a cat that becomes the mayor of a small town",
 )
 TASKS = {
-    "input-grounded": Task(tuple(map(_spelling, PASSAGES[2:])), tuple(map(_spelling, PASSAGES[:2]))),
+    "input-grounded": Task(tuple(map(_spelling, PASSAGES[2:4])), tuple(map(_spelling, PASSAGES[:2] + PASSAGES[4:]))),
     "code editing": Task(tuple(_rename(*c) for c in CODES[2:]), tuple(_rename(*c) for c in CODES[:2])),
     "repeated domain": Task(tuple(f"Give me a simple recipe for {dish}." for dish in DISHES[:8]),
                             tuple(f"Give me a simple recipe for {dish}." for dish in DISHES[8:])),
@@ -224,7 +232,7 @@ def run(args) -> dict:
     model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
     hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder(args.model), dtype=torch.float32).eval()
     max_new_tokens = 48 if args.quick else 128
-    held_out = 1 if args.quick else 2
+    held_out = 1 if args.quick else None  # None: every held-out prompt
     decoding_lengths, branch_lengths = ((8, 16), (4, 8)) if args.quick else (DECODING_LENGTHS, BRANCH_LENGTHS)
 
     def chat(message):
