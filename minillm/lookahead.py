@@ -21,6 +21,10 @@ the likeliest continuations of either. The two knobs of the
 original: `branch_length` (how deep a branch goes) and `decoding_length` (how many
 draft tokens one forward may verify in total).
 
+Text that is being copied needs no statistics: a `CopyPointer` follows the place in the
+request that the output copies, through the small edits a correction makes, and while
+it copies the draft is simply the next branch of that text.
+
 `SpeculativeDecoder` (lesson 08) verifies the tree: it follows, from the root, the
 child whose token the target itself chooses at each node, so the output is exactly
 the target's (greedy: its argmax; sampling: its draw), and keeps the accepted path in
