@@ -37,7 +37,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from .speculative import Draft
+from .speculative import Draft, latest_earlier_occurrence
 
 
 class TrieNode:
@@ -246,7 +246,7 @@ class CopyPointer:
         """Move along sequence[start:] (the tokens since the last call), then restart the copy if it broke."""
         for position in range(start, len(sequence)):
             if self.source is None:
-                continue
+                break  # only a restart, below, starts a copy again
             ahead = sequence[self.source:min(self.source + self.skips, position)]
             if sequence[position] in ahead:
                 self.source += ahead.index(sequence[position]) + 1
@@ -256,11 +256,9 @@ class CopyPointer:
             else:
                 self.source = None
         if not self.copying and len(sequence) > self.max_match:
-            tail, m = sequence[-self.max_match:], self.max_match
-            for begin in range(len(sequence) - m - 1, -1, -1):  # the most recent earlier occurrence
-                if sequence[begin:begin + m] == tail:
-                    self.source, self.edit = begin + m, 0
-                    break
+            begin = latest_earlier_occurrence(sequence, self.max_match)
+            if begin is not None:
+                self.source, self.edit = begin + self.max_match, 0
 
     def paths(self, sequence, depth: int) -> list[tuple]:
         """Draft paths (ancestor-closed, best first): copying, the `depth` tokens from the source on;

@@ -146,6 +146,16 @@ class Drafter(Protocol):
     # that learns from outputs (lesson 11's lookahead) keep it.
 
 
+def latest_earlier_occurrence(sequence: list[int], size: int) -> int | None:
+    """The start of the most recent earlier occurrence of the sequence's last `size` tokens, or None."""
+    end = len(sequence)
+    tail = sequence[end - size:]
+    for start in range(end - size - 1, -1, -1):
+        if sequence[start + size - 1] == tail[-1] and sequence[start:start + size] == tail:
+            return start
+    return None
+
+
 class PromptLookup:
     """Draft by copying: find the context's trailing n-gram earlier in the context
     (longest n first, most recent occurrence first) and propose the tokens that followed.
@@ -164,13 +174,10 @@ class PromptLookup:
         pass
 
     def propose(self, sequence, n, config, history, generator):
-        end = len(sequence)
-        for size in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
-            tail = sequence[end - size:]
-            last = tail[-1]
-            for start in range(end - size - 1, -1, -1):  # most recent earlier occurrence first
-                if sequence[start + size - 1] == last and sequence[start:start + size] == tail:
-                    return Draft(sequence[start + size:start + size + n])
+        for size in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
+            start = latest_earlier_occurrence(sequence, size)
+            if start is not None:
+                return Draft(sequence[start + size:start + size + n])
         return Draft([])
 
     def rollback(self, sequence):
@@ -556,7 +563,7 @@ def speculative_generate(model, prompt, drafter: Drafter, config: SamplingConfig
 
 __all__ = [
     "speculative_generate", "SpeculativeGeneration", "SpeculativeDecoder", "Round", "Draft", "Drafter",
-    "PromptLookup", "DraftModel", "truncated_draft", "load_draft", "make_drafter", "check_same_vocabulary",
+    "PromptLookup", "latest_earlier_occurrence", "DraftModel", "truncated_draft", "load_draft", "make_drafter", "check_same_vocabulary",
     "check_num_draft_tokens", "acceptance_probability", "residual_distribution", "verify_token",
     "expected_tokens_per_round", "predicted_speedup", "DRAFTERS",
 ]

@@ -154,8 +154,8 @@ def test_the_copy_pointer_follows_a_copy_through_its_edits():
     pointer.follow(sequence, len(sequence) - 2)
     assert pointer.copying and pointer.source == 8
     assert pointer.paths(sequence, 4) == [(18,), (18, 19), (18, 19, 10), (18, 19, 10, 11)]
-    sequence += [98, 97, 96, 95, 94]  # an edit longer than max_edit: the copy is over
-    pointer.follow(sequence, len(sequence) - 5)
+    sequence += [98, 97, 96, 95, 94, 93]  # an edit longer than max_edit: the copy is over, whatever follows
+    pointer.follow(sequence, len(sequence) - 6)
     assert pointer.source is None and pointer.paths(sequence, 4) == []
 
 

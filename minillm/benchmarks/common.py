@@ -31,6 +31,7 @@ SUITES = {
 REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS = REPO / "results"
 README = REPO / "README.md"
+COMPILED_SUFFIX = ", compiled"  # a contender run compiled (lesson 15): its eager variant's name + this
 # Instruction-set extensions that decide which kernels a CPU can run (x86 `flags`, Arm `Features`).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8",
              "asimd", "asimddp", "bf16", "i8mm", "sve")

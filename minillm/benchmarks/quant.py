@@ -35,12 +35,11 @@ from ..quality import compare_models, held_out_tokens
 from ..quant import linears, quantize_model, weight_bytes
 from ..quant_gguf import gguf_path_for, use_gguf_weights
 from .batch import TEXT
-from .common import alternate, finish_figure, measure_memory_bandwidth, median, plot_title
+from .common import COMPILED_SUFFIX, alternate, finish_figure, measure_memory_bandwidth, median, plot_title
 from .llama_cpp import LlamaCpp, gguf_as, missing_reason
 
 BATCHES = (1, 8)
 COMPILED = ("int8", "GGUF Q4_1 (int8 head)", "GGUF Q4_1 (int4 head)")  # also run compiled (lesson 15), batch 1
-COMPILED_SUFFIX = ", compiled"
 
 
 def params_read(model) -> int:
