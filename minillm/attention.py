@@ -20,6 +20,7 @@ paged, tree-aware, flash-style or compiled kernel is added without editing `mode
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class AttentionStep:
     packed: object | None = None  # several sequences packed into one row over a paged cache (`minillm.paged`)
 
 
+@functools.lru_cache(maxsize=4)  # every layer of one forward asks for the same mask
 def causal_mask_lower_right(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
     """bool [T, S]: query t sees keys 0 .. S - T + t (the queries are the last T positions).
 
@@ -56,20 +58,25 @@ class SDPABackend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         B, H, T, hd = q.shape
         KV, S = k.shape[1], k.shape[2]
-        mask = step.mask
-        if mask is None and T > 1 and S > T:
-            mask = causal_mask_lower_right(T, S, q.device)
-        if mask is not None and mask.dim() == 3:
-            mask = mask[:, None]  # [B, 1, T, S]: the same mask for every head
         group = H // KV
-        if T == 1 and group > 1:
-            # Decoding: the `group` query heads that share a KV head become `group` queries
-            # of that head. SDPA's own GQA path (enable_gqa) is much slower on CPU.
-            return F.scaled_dot_product_attention(q.reshape(B, KV, group, hd), k, v,
-                                                  attn_mask=mask).reshape(B, H, T, hd)
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, hd]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+        mask = step.mask
+        if mask is None and T == S:  # a whole sequence from its start: SDPA's own causal kernel skips the future
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, hd]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        if mask is None and T > 1:
+            mask = causal_mask_lower_right(T, S, q.device)  # [T, S]
+        elif mask is not None and mask.dim() == 3:
+            mask = mask[:, None]  # [B, 1, T, S]: the same mask for every head
+        if group == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # Grouped-query heads without copying keys and values: the `group` query heads that share a
+        # KV head become group * T queries of that head (SDPA's own enable_gqa is much slower on CPU).
+        # Query row g * T + t is head g's query t, so the mask repeats once per head of the group.
+        if mask is not None and T > 1:
+            mask = mask.repeat(*[1] * (mask.dim() - 2), group, 1)  # [..., group * T, S]
+        grouped = F.scaled_dot_product_attention(q.reshape(B, KV, group * T, hd), k, v, attn_mask=mask)
+        return grouped.reshape(B, H, T, hd)
 
 
 def set_attention_backend(model, backend) -> None:

@@ -36,8 +36,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 
-from .speculative import Draft, latest_earlier_occurrence
+from .speculative import FREE_DRAFT, Draft, latest_earlier_occurrence
 
 
 class TrieNode:
@@ -176,7 +177,7 @@ class DraftTree:
         """Merge continuation paths (token tuples, each path's parent path included) into one tree."""
         index = {(): 0}
         tokens, parents = [root], [-1]
-        for path in sorted(set(paths), key=len):  # breadth first: a parent before its children
+        for path in sorted(dict.fromkeys(paths), key=len):  # breadth first (a parent before its children), best first
             index[path] = len(tokens)
             tokens.append(path[-1])
             parents.append(index[path[:-1]])
@@ -209,9 +210,6 @@ def context_first(context_paths, memory_paths, budget: int) -> list[tuple]:
     return list(dict.fromkeys(path for path, _ in [*context_paths, *memory_paths]))[:budget]
 
 
-RESUME_DEPTH = 2  # tokens drafted at each place a copy may go on at after an edit
-
-
 class CopyPointer:
     """Which earlier text the output is copying, followed token by token through small edits.
 
@@ -220,17 +218,20 @@ class CopyPointer:
     `source` continues the copy, and so does one that equals one of the `skips - 1` tokens after it:
     the edit replaced those (a corrected "bilt" -> " built" skips the passage's " b", "ilt" and goes
     on at " in"). Any other token lengthens the edit, and an edit longer than `max_edit` tokens ends
-    the copy. While there is no copy, or an edit is under way, the sequence's last `max_match` tokens
-    (re)start one at their most recent earlier occurrence.
+    the copy. While there is no copy, or an edit is under way, each new token may (re)start one:
+    where the last `max_match` tokens occurred most recently before.
 
         passage ... was  b  ilt  in ...        output ... was  built  in
         after " was":   source at " b", edit 0 (copying)
         after " built": source at " b", edit 1 (" built" is none of " b", "ilt", " in", " ")
         after " in":    source at " " (" in" was 2 past " b"), edit 0 (copying again)
+
+    Given the tokenizer's `decode`, the pointer ranks those places by how alike the edit's text is to
+    the text it skips (" built" is most like " bilt", so " in" comes first); without it, in order.
     """
 
-    def __init__(self, max_match: int, skips: int = 4, max_edit: int = 4):
-        self.max_match, self.skips, self.max_edit = max_match, skips, max_edit
+    def __init__(self, max_match: int, skips: int = 4, max_edit: int = 4, decode=None):
+        self.max_match, self.skips, self.max_edit, self.decode = max_match, skips, max_edit, decode
         self.source: int | None = None
         self.edit = 0
 
@@ -243,32 +244,51 @@ class CopyPointer:
         return self.source is not None and self.edit > 0
 
     def follow(self, sequence, start: int) -> None:
-        """Move along sequence[start:] (the tokens since the last call), then restart the copy if it broke."""
-        for position in range(start, len(sequence)):
-            if self.source is None:
-                break  # only a restart, below, starts a copy again
-            ahead = sequence[self.source:min(self.source + self.skips, position)]
-            if sequence[position] in ahead:
-                self.source += ahead.index(sequence[position]) + 1
-                self.edit = 0
-            elif self.edit < self.max_edit:
-                self.edit += 1
-            else:
-                self.source = None
-        if not self.copying and len(sequence) > self.max_match:
-            begin = latest_earlier_occurrence(sequence, self.max_match)
-            if begin is not None:
-                self.source, self.edit = begin + self.max_match, 0
+        """Move along sequence[start:], the tokens since the last call (the first call: start=0, and
+        only the last token is walked, since the prompt before it is no output that copies)."""
+        for position in range(start or len(sequence) - 1, len(sequence)):
+            if self.source is not None:
+                ahead = sequence[self.source:min(self.source + self.skips, position)]
+                if sequence[position] in ahead:
+                    self.source += ahead.index(sequence[position]) + 1
+                    self.edit = 0
+                    continue
+                if self.edit < self.max_edit:
+                    self.edit += 1
+                else:
+                    self.source = None
+            if not self.copying and position >= self.max_match:
+                begin = latest_earlier_occurrence(sequence, self.max_match, end=position + 1)
+                if begin is not None:
+                    self.source, self.edit = begin + self.max_match, 0
+
+    def places(self, sequence) -> list[int]:
+        """How many tokens after `source` the copy may go on at (0 .. skips - 1), likeliest first."""
+        skips = list(range(self.skips))
+        if self.decode is not None and self.resuming:
+            edit = self.decode(sequence[len(sequence) - self.edit:])
+
+            def likeness(skip):
+                return SequenceMatcher(None, edit, self.decode(sequence[self.source:self.source + skip])).ratio()
+            skips.sort(key=likeness, reverse=True)  # stable: among equals, fewer skipped tokens first
+        return skips
 
     def paths(self, sequence, depth: int) -> list[tuple]:
-        """Draft paths (ancestor-closed, best first): copying, the `depth` tokens from the source on;
-        resuming after an edit, `depth` tokens from each of the `skips` places the copy may go on at."""
+        """Draft paths (ancestor-closed, best first). Copying: the `depth` tokens from the source on.
+        Resuming after an edit: a branch at each place the copy may go on at, the likeliest place's
+        as deep as the tree's other places are many (`depth` nodes in all), the others one token."""
         if self.source is None:
             return []
+        if self.copying:
+            branches = [sequence[self.source:self.source + depth]]
+        else:
+            first, *others = self.places(sequence)
+            deepest = max(1, depth - len(others))
+            branches = [sequence[self.source + first:self.source + first + deepest],
+                        *(sequence[self.source + skip:self.source + skip + 1] for skip in others)]
         paths: dict[tuple, None] = {}
-        for skip in range(1 if self.copying else self.skips):
-            branch = tuple(sequence[self.source + skip:self.source + skip + depth])
-            paths.update(dict.fromkeys(branch[:i] for i in range(1, len(branch) + 1)))
+        for branch in branches:
+            paths.update(dict.fromkeys(tuple(branch[:i]) for i in range(1, len(branch) + 1)))
         return list(paths)
 
 
@@ -280,16 +300,18 @@ class Lookahead:
     from both tries' continuations of the sequence's suffix, `branch_length` deep at
     most. While the output copies earlier text (`CopyPointer`), the draft is one
     whole branch of that text, whatever the budget; right after an edit in a copy,
-    the places the copy may go on at lead the draft. `end` adds the finished output
+    a tree of the same size over the places the copy may go on at. `end` adds the output
     to the memory; `warm` adds texts of the kind to come (the original builds its
     memory from a training split).
 
-    The decoder reads `max_draft` (its budget's ceiling) and `adaptive` (shrink the
-    budget where drafts fail, so open-ended text costs little) from the drafter. The
+    The decoder reads `max_draft` (its budget's ceiling), `adaptive` (shrink the
+    budget where drafts fail, so open-ended text costs little) and `min_draft` (the
+    floor it shrinks to: `FREE_DRAFT`, as drafting costs nothing) from the drafter. The
     time `propose` takes is the decoder's `draft_seconds`: retrieval, for lookahead.
     """
 
     adaptive = True
+    min_draft = FREE_DRAFT
 
     def __init__(self, decoding_length: int = 16, branch_length: int = 8, max_match: int = 3,
                  memory_budget: int = 65536):
@@ -312,27 +334,21 @@ class Lookahead:
 
     def begin(self, target, tokenizer, max_len):
         self.context = NGramTrie(self.max_match + self.branch_length)
-        self.pointer = CopyPointer(self.max_match)
+        self.pointer = CopyPointer(self.max_match, decode=None if tokenizer is None else tokenizer.decode)
         self.fed = 0
 
     def propose(self, sequence, n, config, history, generator) -> Draft:
         self.pointer.follow(sequence, self.fed)
         self.context.extend(sequence[self.fed:])
         self.fed = len(sequence)
-        budget = min(n, self.decoding_length)
-        lead, rest = [], []
-        if self.pointer.copying:  # a copy tends to go on: a whole branch, even where the budget shrank
+        budget, lead = min(n, self.decoding_length), []
+        if self.pointer.source is not None:  # a copy tends to go on, through its edits: follow it, whatever the budget
             budget = min(self.branch_length, self.decoding_length)
             lead = self.pointer.paths(sequence, self.branch_length)
-        elif self.pointer.resuming:  # the copy's next places lead, the tries' guesses get the other half
-            rest = self.pointer.paths(sequence, RESUME_DEPTH)
-            budget = max(budget, min(len(rest), self.decoding_length))
-            lead = rest[:budget // 2]
         context, memory = [trie.continuations(sequence, budget, self.branch_length, self.max_match)
                            for trie in (self.context, self.memory)]
         share = context_first if self.pointer.copying else share_draft
-        shared = share(context, memory, budget)
-        paths = list(dict.fromkeys([*lead, *shared, *rest]))[:budget]
+        paths = list(dict.fromkeys([*lead, *share(context, memory, budget)]))[:budget]
         tree = DraftTree.from_paths(sequence[-1], paths)
         return Draft(tree.tokens[1:], parents=tree.parents[1:])
 

@@ -146,14 +146,22 @@ class Drafter(Protocol):
     # that learns from outputs (lesson 11's lookahead) keep it.
 
 
-def latest_earlier_occurrence(sequence: list[int], size: int) -> int | None:
-    """The start of the most recent earlier occurrence of the sequence's last `size` tokens, or None."""
-    end = len(sequence)
-    tail = sequence[end - size:]
+def latest_earlier_occurrence(sequence: list[int], size: int, end: int | None = None) -> int | None:
+    """The start of the most recent earlier occurrence of the `size` tokens before `end` (default: the
+    sequence's last `size` tokens), or None."""
+    end = len(sequence) if end is None else end
+    tail = sequence[end - size:end]
     for start in range(end - size - 1, -1, -1):
         if sequence[start + size - 1] == tail[-1] and sequence[start:start + size] == tail:
             return start
     return None
+
+
+# A verify forward reads every weight once whatever its length, so its first few extra tokens cost
+# about nothing and only longer drafts make it dearer (lesson 11 measures where the curve bends).
+# A drafter whose drafts are free to make (a lookup, not a model) drafts at least this many tokens
+# even where they keep failing: fewer would save nothing.
+FREE_DRAFT = 5
 
 
 class PromptLookup:
@@ -164,6 +172,8 @@ class PromptLookup:
     edits its input. (transformers' `prompt_lookup_num_tokens` uses the same idea with
     n up to 2 and the earliest occurrence.)
     """
+
+    min_draft = FREE_DRAFT  # an adaptive budget's floor (see FREE_DRAFT)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -345,7 +355,8 @@ class SpeculativeDecoder:
         """num_draft_tokens: the most tokens one round drafts (a tree's nodes); adaptive: let the
         budget follow what the target accepts, below that ceiling (`_count_depths`), so text where
         drafts fail costs little. Left as None, both come from the drafter when it says (`max_draft`,
-        `adaptive`: lookahead's decoding length, adaptive), else 4 and fixed."""
+        `adaptive`: lookahead's decoding length, adaptive), else 4 and fixed. The adaptive budget
+        never drops below the drafter's `min_draft` (1 unless it says): see `FREE_DRAFT`."""
         num_draft_tokens = getattr(drafter, "max_draft", 4) if num_draft_tokens is None else num_draft_tokens
         adaptive = getattr(drafter, "adaptive", False) if adaptive is None else adaptive
         check_num_draft_tokens(num_draft_tokens)
@@ -373,6 +384,7 @@ class SpeculativeDecoder:
         self.drafted = self.accepted = self.verify_forwards = self.fed = 0
         self.draft_seconds = 0.0
         self.adaptive, self.budget = adaptive, num_draft_tokens
+        self.min_draft = min(getattr(drafter, "min_draft", 1), num_draft_tokens)  # the adaptive budget's floor
         self.pause = self.paused = 0  # adaptive: plain steps to take before drafting again; the last pause's length
         self.reached: dict[int, int] = {}  # depth -> rounds whose draft reached it
         self.kept: dict[int, int] = {}  # depth -> rounds that accepted a token at it
@@ -479,19 +491,23 @@ class SpeculativeDecoder:
         - part of it: twice what was accepted, or half the budget if that is more;
         - nothing of several drafted tokens: halve it;
         - nothing of a single drafted token: pause drafting for 1, 2, 4 ... 16 plain steps (twice the last
-          pause, until a draft is accepted), since on a CPU even one extra token makes a forward dearer."""
+          pause, until a draft is accepted), since on a CPU even one extra token may make a forward dearer;
+        never below the drafter's `min_draft`: a drafter whose drafts cost nothing to make says how many
+        tokens a verify forward checks at about the price of a plain step, and it never pauses."""
         for d in range(1, result.depth + 1):
             self.reached[d] = self.reached.get(d, 0) + 1
             self.kept[d] = self.kept.get(d, 0) + (result.accepted >= d)
         if self.adaptive and result.depth:
             if result.accepted >= result.depth:
-                self.budget = min(self.k, 2 * self.budget)
+                budget = 2 * self.budget
             elif result.accepted:
-                self.budget = min(self.k, max(2 * result.accepted, self.budget // 2))
+                budget = max(2 * result.accepted, self.budget // 2)
             elif self.budget == 1:
+                budget = 1
                 self.pause = self.paused = min(16, 2 * self.paused or 1)
             else:
-                self.budget //= 2
+                budget = self.budget // 2
+            self.budget = min(self.k, max(self.min_draft, budget))
             if result.accepted:
                 self.paused = 0
 

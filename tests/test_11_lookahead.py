@@ -10,7 +10,8 @@ from minillm.infer import generate
 from minillm.lookahead import CopyPointer, DraftTree, Lookahead, NGramTrie, context_first, likeliest_paths, share_draft
 from minillm.sampling import SamplingConfig
 from minillm.session import DecodeSession, Tree
-from minillm.speculative import Draft, SpeculativeDecoder, speculative_generate
+from minillm.speculative import (FREE_DRAFT, Draft, SpeculativeDecoder, latest_earlier_occurrence,
+                                 speculative_generate)
 from minillm.tiny import tiny_pair
 from test_08_speculative_decoding import OracleDrafter
 
@@ -148,8 +149,9 @@ def test_the_copy_pointer_follows_a_copy_through_its_edits():
     sequence += [13, 99]  # copies 13, then writes 99 in place of 14, 15 (an edit)
     pointer.follow(sequence, len(sequence) - 2)
     assert pointer.resuming and (pointer.source, pointer.edit) == (4, 1)
-    # the copy may go on at 14, 15, 16 or 17 (the edit replaced 0 to 3 tokens): each a branch
-    assert pointer.paths(sequence, 2) == [(14,), (14, 15), (15,), (15, 16), (16,), (16, 17), (17,), (17, 18)]
+    # the copy may go on at 14, 15, 16 or 17 (the edit replaced 0 to 3 tokens): a tree of 5 nodes over
+    # them, the first place (no text to rank them by) two deep, the others one token each
+    assert pointer.paths(sequence, 5) == [(14,), (14, 15), (15,), (16,), (17,)]
     sequence += [16, 17]  # it went on at 16: the edit replaced two tokens, and copying resumes
     pointer.follow(sequence, len(sequence) - 2)
     assert pointer.copying and pointer.source == 8
@@ -159,15 +161,49 @@ def test_the_copy_pointer_follows_a_copy_through_its_edits():
     assert pointer.source is None and pointer.paths(sequence, 4) == []
 
 
-def test_after_an_edit_the_places_the_copy_may_go_on_at_lead_the_draft():
-    lookahead = Lookahead(decoding_length=16, branch_length=4, max_match=3)
+def test_a_copy_that_starts_inside_a_round_is_followed_from_there():
+    """The tokens a round accepts may start a copy and then edit it: the pointer restarts at each new
+    token, so it is resuming after the edit (a restart at the round's end alone finds no copy)."""
+    passage = [10, 11, 12, 13, 14, 15, 16]
+    pointer = CopyPointer(max_match=3)
+    sequence = passage + [50]
+    pointer.follow(sequence, 0)
+    assert pointer.source is None
+    sequence += [10, 11, 12, 13, 99]  # one round: a copy of 10 11 12 13, then an edit
+    pointer.follow(sequence, len(sequence) - 5)
+    assert pointer.resuming and (pointer.source, pointer.edit) == (4, 1)
+    assert latest_earlier_occurrence(sequence, 3, end=len(sequence) - 1) == 1  # 11 12 13, before the end
+
+
+def test_the_copy_pointer_ranks_the_places_by_how_alike_the_edit_is_to_the_text_it_skips():
+    """passage "... was b ilt in 1871", output "... was built": " built" is most like " bilt", the
+    two tokens it replaced, so the copy most likely goes on at " in" (2 tokens past " b")."""
+    words = {1: " The", 2: " tower", 3: " was", 4: " b", 5: "ilt", 6: " in", 7: " 1871", 8: " built"}
+
+    def decode(ids):
+        return "".join(words[i] for i in ids)
+
+    passage = [1, 2, 3, 4, 5, 6, 7]
+    pointer = CopyPointer(max_match=3, decode=decode)
+    sequence = passage + [1, 2, 3]
+    pointer.follow(sequence, 0)
+    sequence += [8]
+    pointer.follow(sequence, len(sequence) - 1)
+    assert pointer.resuming and pointer.places(sequence) == [2, 3, 1, 0]
+    assert pointer.paths(sequence, 5) == [(6,), (6, 7), (7,), (5,), (4,)]
+    assert CopyPointer(max_match=3).places(sequence) == [0, 1, 2, 3]  # without text: in order
+
+
+def test_after_an_edit_the_places_the_copy_may_go_on_at_make_the_draft():
+    lookahead = Lookahead(decoding_length=16, branch_length=6, max_match=3)
     lookahead.begin(None, None, 64)
     passage = [10, 11, 12, 13, 14, 15, 16, 17]
-    assert lookahead.propose(passage + [10, 11, 12], 16, SamplingConfig(), None, None).tokens == [13, 14, 15, 16]
+    copy = lookahead.propose(passage + [10, 11, 12], 16, SamplingConfig(), None, None)
+    assert copy.tokens == [13, 14, 15, 16, 17, 10]
     draft = lookahead.propose(passage + [10, 11, 12, 13, 99], 1, SamplingConfig(), None, None)
-    # budget 1, yet one branch per place the copy may go on at (14, 15, 16 or 17), each 2 deep
+    # budget 1, yet a branch_length tree over the places the copy may go on at (14, 15, 16 or 17)
     assert sorted(t for t, parent in zip(draft.tokens, draft.parents) if parent == 0) == [14, 15, 16, 17]
-    assert len(draft.tokens) == 8
+    assert draft.tokens == [14, 15, 16, 17, 15, 16]
 
 
 def test_a_draft_cut_to_its_first_nodes_is_still_a_tree():
@@ -401,6 +437,37 @@ def test_the_adaptive_budget_halves_then_pauses_longer_and_longer_when_drafts_fa
     decoder.prefill()
     sizes = [len(decoder.round().drafted) for _ in range(5)]
     assert sizes == [1, 2, 4, 8, 8] and decoder.sequence[len(TINY_PROMPT):] == plain[:len(decoder.sequence) - len(TINY_PROMPT)]
+
+
+def test_a_free_drafter_never_drafts_fewer_than_its_min_draft(tiny):
+    """A drafter that says drafting costs nothing (`min_draft`, as lookahead's `FREE_DRAFT`): when its
+    drafts keep failing the budget halves down to that floor and stays there, with no pauses."""
+    model = tiny[1]
+    n_new = 30
+    plain = generate(model, TINY_PROMPT, max_new_tokens=n_new, eos_token_id=()).rows[0].token_ids
+
+    class FreeButWrong:
+        min_draft = 3
+
+        def begin(self, target, tokenizer, max_len):
+            pass
+
+        def propose(self, sequence, n, config, history, generator):
+            return Draft([(plain[len(sequence) - len(TINY_PROMPT)] + 1) % model.config.vocab_size] * n)
+
+        def rollback(self, sequence):
+            pass
+
+    decoder = SpeculativeDecoder(model, FreeButWrong(), TINY_PROMPT,
+                                 SamplingConfig(max_new_tokens=n_new, eos_token_id=()), num_draft_tokens=8,
+                                 adaptive=True)
+    decoder.prefill()
+    drafted = []
+    while not decoder.finished:
+        drafted.append(len(decoder.round().drafted))
+    assert decoder.sequence[len(TINY_PROMPT):] == plain
+    assert drafted[:3] == [8, 4, 3] and set(drafted[2:-3]) == {3} and drafted[-3:] == [2, 1, 0]  # the end: no room
+    assert Lookahead().min_draft == FREE_DRAFT > 1
 
 
 def test_notebook_runs(run_notebook):

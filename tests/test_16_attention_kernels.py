@@ -120,6 +120,18 @@ def test_each_implementation_equals_sdpa_and_its_lse_equals_logsumexp(implementa
     torch.testing.assert_close(lse[~empty].double(), expected[~empty], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-KV{h[1]}")
+@pytest.mark.parametrize("case", CASES)
+def test_the_sdpa_backend_groups_query_heads_without_changing_the_result(case, heads):
+    """The model's default backend runs a KV head's query heads as one head's queries (no copies of the
+    keys and values) and builds the lower-right causal mask itself: the same as SDPA on repeated heads."""
+    B, T, S, mask = CASES[case]
+    H, KV = heads
+    q, k, v = random_qkv(B, H, KV, T, S)
+    out = SDPABackend()(q, k, v, AttentionStep(torch.arange(S - T, S).expand(B, T), mask))
+    torch.testing.assert_close(out, sdpa_reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fully_masked_rows_give_zeros_not_nan(implementation):
     B, T, S, mask = CASES["random with an empty row"]
