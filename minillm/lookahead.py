@@ -300,7 +300,7 @@ class Lookahead:
     from both tries' continuations of the sequence's suffix, `branch_length` deep at
     most. While the output copies earlier text (`CopyPointer`), the draft is one
     whole branch of that text, whatever the budget; right after an edit in a copy,
-    a tree of the same size over the places the copy may go on at. `end` adds the output
+    the places the copy may go on at lead the draft. `end` adds the finished output
     to the memory; `warm` adds texts of the kind to come (the original builds its
     memory from a training split).
 
@@ -342,9 +342,12 @@ class Lookahead:
         self.context.extend(sequence[self.fed:])
         self.fed = len(sequence)
         budget, lead = min(n, self.decoding_length), []
-        if self.pointer.source is not None:  # a copy tends to go on, through its edits: follow it, whatever the budget
+        if self.pointer.copying:  # a copy tends to go on: a whole branch, even where the budget shrank
             budget = min(self.branch_length, self.decoding_length)
             lead = self.pointer.paths(sequence, self.branch_length)
+        elif self.pointer.resuming:  # where the copy goes on after an edit leads, the tries' guesses get half
+            budget = min(max(budget, self.branch_length), self.decoding_length)
+            lead = self.pointer.paths(sequence, self.branch_length)[:budget // 2]
         context, memory = [trie.continuations(sequence, budget, self.branch_length, self.max_match)
                            for trie in (self.context, self.memory)]
         share = context_first if self.pointer.copying else share_draft

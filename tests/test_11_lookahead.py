@@ -194,16 +194,19 @@ def test_the_copy_pointer_ranks_the_places_by_how_alike_the_edit_is_to_the_text_
     assert CopyPointer(max_match=3).places(sequence) == [0, 1, 2, 3]  # without text: in order
 
 
-def test_after_an_edit_the_places_the_copy_may_go_on_at_make_the_draft():
+def test_after_an_edit_the_places_the_copy_may_go_on_at_lead_the_draft():
     lookahead = Lookahead(decoding_length=16, branch_length=6, max_match=3)
     lookahead.begin(None, None, 64)
     passage = [10, 11, 12, 13, 14, 15, 16, 17]
     copy = lookahead.propose(passage + [10, 11, 12], 16, SamplingConfig(), None, None)
     assert copy.tokens == [13, 14, 15, 16, 17, 10]
+    # budget 1, yet branch_length nodes: half of them the pointer's tree over the places the copy may go on
+    # at (the likeliest, 14, first: three tokens deep), the other half the context trie's guesses after 99
+    lookahead.context.add_text([99, 30, 31, 32, 33])
     draft = lookahead.propose(passage + [10, 11, 12, 13, 99], 1, SamplingConfig(), None, None)
-    # budget 1, yet a branch_length tree over the places the copy may go on at (14, 15, 16 or 17)
-    assert sorted(t for t, parent in zip(draft.tokens, draft.parents) if parent == 0) == [14, 15, 16, 17]
-    assert draft.tokens == [14, 15, 16, 17, 15, 16]
+    assert draft.tokens == [14, 30, 15, 31, 16, 32] and draft.parents == [0, 0, 1, 2, 3, 4]
+    assert lookahead.pointer.paths(passage + [10, 11, 12, 13, 99], 6) == [(14,), (14, 15), (14, 15, 16), (15,),
+                                                                          (16,), (17,)]
 
 
 def test_a_draft_cut_to_its_first_nodes_is_still_a_tree():

@@ -367,7 +367,7 @@ def _lookahead_bullets(data: dict) -> str:
             f"{best['branch_length']} ({times(best['speedup'])}, one run)."))
     bullets.append(bullet("Lookahead pays where the answer repeats what the trie has seen (the prompt, or earlier "
                           "answers of the same kind); on open-ended text its drafts fail, and the adaptive budget "
-                          "shrinks them to a token or two so that verifying them costs little."))
+                          "shrinks them to the few tokens a forward verifies at about a plain step's cost."))
     return "\n".join(bullets)
 
 
