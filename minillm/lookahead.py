@@ -275,8 +275,8 @@ class CopyPointer:
 
     def paths(self, sequence, depth: int) -> list[tuple]:
         """Draft paths (ancestor-closed, best first). Copying: the `depth` tokens from the source on.
-        Resuming after an edit: a branch at each place the copy may go on at, the likeliest place's
-        as deep as the tree's other places are many (`depth` nodes in all), the others one token."""
+        Resuming after an edit: `depth` nodes over the places the copy may go on at, the likeliest
+        place `depth - (skips - 1)` tokens deep (at least one) and each other place one token."""
         if self.source is None:
             return []
         if self.copying:
