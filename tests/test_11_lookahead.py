@@ -401,41 +401,52 @@ def test_greedy_lookahead_on_the_default_model(default_model):
     assert out_stop.text == plain_stop.text and stop not in out_stop.text
 
 
+class WrongDrafter:
+    """Proposes, at each step, n copies of a token different from what greedy (`plain`) emits next."""
+
+    def __init__(self, plain: list[int], vocab_size: int):
+        self.plain, self.vocab_size = plain, vocab_size
+
+    def begin(self, target, tokenizer, max_len):
+        pass
+
+    def propose(self, sequence, n, config, history, generator):
+        return Draft([(self.plain[len(sequence) - len(TINY_PROMPT)] + 1) % self.vocab_size] * n)
+
+    def rollback(self, sequence):
+        pass
+
+
+def drafted_per_round(model, drafter, n_new: int) -> tuple[list[int], list[int]]:
+    """Greedy speculative decoding of TINY_PROMPT with `drafter`: (tokens drafted per round, the output)."""
+    decoder = SpeculativeDecoder(model, drafter, TINY_PROMPT, SamplingConfig(max_new_tokens=n_new, eos_token_id=()),
+                                 num_draft_tokens=8, adaptive=True)
+    decoder.prefill()
+    drafted = []
+    while not decoder.finished:
+        drafted.append(len(decoder.round().drafted))
+    return drafted, decoder.sequence[len(TINY_PROMPT):]
+
+
 def test_the_adaptive_budget_halves_then_pauses_longer_and_longer_when_drafts_fail(tiny):
     """A drafter that is always wrong: the budget halves to 1, then drafting pauses for 1, 2, 4 ... plain
     steps; a drafter that is always right doubles it back up to the ceiling. The tokens stay plain greedy's."""
     model = tiny[1]
     n_new = 54  # the tiny models hold 64 positions
     plain = generate(model, TINY_PROMPT, max_new_tokens=n_new, eos_token_id=()).rows[0].token_ids
-
-    class Wrong:  # proposes, at each step, a token different from what greedy will emit next
-        def begin(self, target, tokenizer, max_len):
-            pass
-
-        def propose(self, sequence, n, config, history, generator):
-            nxt = plain[len(sequence) - len(TINY_PROMPT)]
-            return Draft([(nxt + 1) % model.config.vocab_size] * n)
-
-        def rollback(self, sequence):
-            pass
-
-    decoder = SpeculativeDecoder(model, Wrong(), TINY_PROMPT, SamplingConfig(max_new_tokens=n_new, eos_token_id=()),
-                                 num_draft_tokens=8, adaptive=True)
-    decoder.prefill()
-    drafted = []
-    while not decoder.finished:
-        drafted.append(len(decoder.round().drafted))
-    assert decoder.sequence[len(TINY_PROMPT):] == plain
+    drafted, output = drafted_per_round(model, WrongDrafter(plain, model.config.vocab_size), n_new)
+    assert output == plain
     expected = [8, 4, 2, 1] + [0, 1] + [0] * 2 + [1] + [0] * 4 + [1] + [0] * 8 + [1] + [0] * 16 + [1]
     assert drafted[:len(expected)] == expected
 
-    class Right(Wrong):
+    class Right(WrongDrafter):
         def propose(self, sequence, n, config, history, generator):
             done = len(sequence) - len(TINY_PROMPT)
             return Draft(plain[done:done + n])
 
-    decoder = SpeculativeDecoder(model, Right(), TINY_PROMPT, SamplingConfig(max_new_tokens=n_new, eos_token_id=()),
-                                 num_draft_tokens=8, adaptive=True)
+    decoder = SpeculativeDecoder(model, Right(plain, model.config.vocab_size), TINY_PROMPT,
+                                 SamplingConfig(max_new_tokens=n_new, eos_token_id=()), num_draft_tokens=8,
+                                 adaptive=True)
     decoder.budget = 1
     decoder.prefill()
     sizes = [len(decoder.round().drafted) for _ in range(5)]
@@ -449,26 +460,11 @@ def test_a_free_drafter_never_drafts_fewer_than_its_min_draft(tiny):
     n_new = 30
     plain = generate(model, TINY_PROMPT, max_new_tokens=n_new, eos_token_id=()).rows[0].token_ids
 
-    class FreeButWrong:
+    class FreeButWrong(WrongDrafter):
         min_draft = 3
 
-        def begin(self, target, tokenizer, max_len):
-            pass
-
-        def propose(self, sequence, n, config, history, generator):
-            return Draft([(plain[len(sequence) - len(TINY_PROMPT)] + 1) % model.config.vocab_size] * n)
-
-        def rollback(self, sequence):
-            pass
-
-    decoder = SpeculativeDecoder(model, FreeButWrong(), TINY_PROMPT,
-                                 SamplingConfig(max_new_tokens=n_new, eos_token_id=()), num_draft_tokens=8,
-                                 adaptive=True)
-    decoder.prefill()
-    drafted = []
-    while not decoder.finished:
-        drafted.append(len(decoder.round().drafted))
-    assert decoder.sequence[len(TINY_PROMPT):] == plain
+    drafted, output = drafted_per_round(model, FreeButWrong(plain, model.config.vocab_size), n_new)
+    assert output == plain
     assert drafted[:3] == [8, 4, 3] and set(drafted[2:-3]) == {3} and drafted[-3:] == [2, 1, 0]  # the end: no room
     assert Lookahead().min_draft == FREE_DRAFT > 1
 
