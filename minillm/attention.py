@@ -21,7 +21,7 @@ paged, tree-aware, flash-style or compiled kernel is added without editing `mode
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,17 @@ class AttentionStep:
     positions: torch.Tensor  # long [B, T]: each query's position in its sequence
     mask: torch.Tensor | None = None  # bool [B, T, S], True = may attend; None = causal, queries last
     packed: object | None = None  # several sequences packed into one row over a paged cache (`minillm.paged`)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)  # see `once`
+
+    def once(self, key, make):
+        """`make()` for the first layer that asks for `key`, the same result for every later one.
+
+        What a backend derives from the step (a mask repeated per query head, say) is the
+        same in every layer of one forward; building it once saves a copy per layer.
+        """
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
 
 @functools.lru_cache(maxsize=4)  # every layer of one forward asks for the same mask
@@ -74,7 +85,8 @@ class SDPABackend:
         # KV head become group * T queries of that head (SDPA's own enable_gqa is much slower on CPU).
         # Query row g * T + t is head g's query t, so the mask repeats once per head of the group.
         if mask is not None and T > 1:
-            mask = mask.repeat(*[1] * (mask.dim() - 2), group, 1)  # [..., group * T, S]
+            mask = step.once(("grouped mask", group, T, S),
+                             lambda: mask.repeat(*[1] * (mask.dim() - 2), group, 1))  # [..., group * T, S]
         grouped = F.scaled_dot_product_attention(q.reshape(B, KV, group * T, hd), k, v, attn_mask=mask)
         return grouped.reshape(B, H, T, hd)
 

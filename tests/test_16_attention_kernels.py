@@ -132,6 +132,21 @@ def test_the_sdpa_backend_groups_query_heads_without_changing_the_result(case, h
     torch.testing.assert_close(out, sdpa_reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["chunk after a cached prefix", "token tree"])
+def test_every_layer_of_a_forward_shares_one_grouped_mask(case):
+    """The mask repeated for a KV head's query heads is built by the first layer that needs it and
+    reused by the others (one copy per forward, not per layer); each layer's result is unchanged."""
+    B, T, S, mask = CASES[case]
+    step = AttentionStep(torch.arange(S - T, S).expand(B, T), mask)
+    for layer in range(3):  # three layers of one forward: the same step, their own q, k, v
+        q, k, v = random_qkv(B, 6, 2, T, S)
+        torch.testing.assert_close(SDPABackend()(q, k, v, step), sdpa_reference(q, k, v, mask),
+                                   rtol=1e-5, atol=1e-5)
+    assert len(step.derived) == 1
+    made = []
+    assert [step.once("another key", lambda: made.append(1) or len(made)) for _ in range(2)] == [1, 1]
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fully_masked_rows_give_zeros_not_nan(implementation):
     B, T, S, mask = CASES["random with an empty row"]
