@@ -155,7 +155,7 @@ def measure_prompt(model, tokenizer, hf, ids, memory, max_new_tokens: int, repea
             "minillm lookahead (prompt)": speculative("minillm lookahead (prompt)", Lookahead),
             "minillm lookahead (warm)": speculative("minillm lookahead (warm)", lambda: lookahead_drafter(memory))}
     if hf is not None:
-        input_ids = torch.tensor([ids])
+        input_ids = torch.tensor([ids], device=hf.device)
         common = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids),
                       pad_token_id=tokenizer.eos_token_id)
 
@@ -230,7 +230,7 @@ def run(args) -> dict:
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
-    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder(args.model), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder(args.model), dtype=torch.float32).to(args.device).eval()
     max_new_tokens = 48 if args.quick else 128
     held_out = 1 if args.quick else None  # None: every held-out prompt
     decoding_lengths, branch_lengths = ((8, 16), (4, 8)) if args.quick else (DECODING_LENGTHS, BRANCH_LENGTHS)
