@@ -255,15 +255,14 @@ class SlidingWindow:
 
     In the session's layout row b's token at position p sits at cache column p, so
     query (b, t) may see column j only if positions[b, t] - j < window. A windowed
-    layer hands its backend an ordinary mask, so every backend works unchanged. All
-    sliding layers of a model share one object, which builds the mask once per
-    forward. Among the nodes of a token tree (lesson 11) columns run ahead of
+    layer hands its backend an ordinary mask, so every backend works unchanged. The
+    windowed step is built once per forward (`AttentionStep.once`) and shared by all
+    sliding layers. Among the nodes of a token tree (lesson 11) columns run ahead of
     positions; the window only has to be longer than the tree is deep.
     """
 
     def __init__(self, window: int):
         self.window = window
-        self.last = None  # (step, num_keys, windowed step): one forward's layers share it
 
     def __call__(self, step: AttentionStep, num_keys: int) -> AttentionStep:
         if step.packed is not None:
@@ -271,16 +270,15 @@ class SlidingWindow:
                              "run this model with the decode session (cache='static' or 'dynamic')")
         if num_keys <= self.window:  # a query's position is below num_keys: every key is near enough
             return step
-        if self.last is not None and self.last[0] is step and self.last[1] == num_keys:
-            return self.last[2]
+        return step.once(("sliding window", self.window, num_keys), lambda: self._windowed(step, num_keys))
+
+    def _windowed(self, step: AttentionStep, num_keys: int) -> AttentionStep:
         positions = step.positions  # [B, T]
         columns = torch.arange(num_keys, device=positions.device)
         near = positions[:, :, None] - columns < self.window  # [B, T, S]
         mask = step.mask if step.mask is not None else causal_mask_lower_right(positions.shape[1], num_keys,
                                                                                positions.device)
-        windowed = AttentionStep(positions, mask & near)
-        self.last = (step, num_keys, windowed)
-        return windowed
+        return AttentionStep(positions, mask & near)
 
 
 class Attention(nn.Module):

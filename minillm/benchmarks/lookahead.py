@@ -230,7 +230,8 @@ def run(args) -> dict:
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
-    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder(args.model), dtype=torch.float32).to(args.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder(args.model),
+                                              dtype=torch.float32).to(args.device).eval()
     max_new_tokens = 48 if args.quick else 128
     held_out = 1 if args.quick else None  # None: every held-out prompt
     decoding_lengths, branch_lengths = ((8, 16), (4, 8)) if args.quick else (DECODING_LENGTHS, BRANCH_LENGTHS)
