@@ -78,6 +78,14 @@ def test_the_sliding_window_is_in_effect():
     assert (near[:, -1] - far[:, -1]).abs().max() > 1e-3
 
 
+def test_every_sliding_layer_of_a_forward_shares_one_windowed_step():
+    """The windowed mask is built by the first sliding layer of a forward and reused by the others."""
+    step = AttentionStep(torch.arange(20)[None])
+    first = SlidingWindow(TINY_WINDOW)(step, 20)
+    assert SlidingWindow(TINY_WINDOW)(step, 20) is first and first.mask.shape == (1, 20, 20)
+    assert SlidingWindow(TINY_WINDOW)(AttentionStep(torch.arange(20)[None]), 20) is not first  # a new forward
+
+
 def test_a_windowed_layer_refuses_a_packed_step_in_one_line():
     step = AttentionStep(torch.arange(20)[None], None, packed=object())
     with pytest.raises(ValueError) as excinfo:
