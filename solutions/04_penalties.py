@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from minillm.sampling import TokenHistory
-from minillm.session import DecodeSession
+from minillm.decoding.sampling import TokenHistory
+from minillm.runtime.session import DecodeSession
 
 
 def apply_no_repeat_ngram(logits: torch.Tensor, sequences: list[list[int]], n: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from minillm.precision import next_token_logits, with_dtype
+from minillm.speed.precision import next_token_logits, with_dtype
 
 
 def fp16_round(x):

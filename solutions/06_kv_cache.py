@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kv_cache import KVCache
+from minillm.cache.kv_cache import KVCache
 
 
 def kv_cache_bytes(config, batch: int, max_len: int, dtype: torch.dtype) -> int:

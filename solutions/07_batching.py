@@ -7,9 +7,9 @@ from functools import lru_cache
 
 import torch
 
-from minillm.batching import attention_mask, pad_left
-from minillm.kv_cache import DynamicCache
-from minillm.session import DecodeSession
+from minillm.cache.kv_cache import DynamicCache
+from minillm.runtime.batching import attention_mask, pad_left
+from minillm.runtime.session import DecodeSession
 
 
 @torch.inference_mode()

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kv_cache import make_cache
-from minillm.sampling import SamplingConfig
-from minillm.speculative import Draft, SpeculativeDecoder
-
+from minillm.cache.kv_cache import make_cache
+from minillm.decoding.sampling import SamplingConfig
+from minillm.strategies.speculative import Draft, SpeculativeDecoder
 
 # ------------------------------------------------------------------ Exercise 1
 

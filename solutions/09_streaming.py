@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from minillm.detokenize import IncrementalDecoder
+from minillm.decoding.detokenize import IncrementalDecoder
 
 
 class WordStreamer:

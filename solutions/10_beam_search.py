@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from minillm.session import DecodeSession
+from minillm.runtime.session import DecodeSession
 
 
 @torch.inference_mode()

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.speculative import Draft
-
+from minillm.strategies.speculative import Draft
 
 # ------------------------------------------------------------------ Exercise 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from minillm.sampling import SamplingConfig
+from minillm.decoding.sampling import SamplingConfig
 
 
 def sse_encode(chunk: dict) -> bytes:

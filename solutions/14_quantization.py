@@ -9,7 +9,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
 # ------------------------------------------------------------------ Exercise 1
 
 

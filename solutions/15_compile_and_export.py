@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-
 # ------------------------------------------------------------------ Exercise 1
 
 
@@ -63,4 +62,4 @@ def count_graphs(fn, calls: list[tuple]) -> int:
     for args in calls:
         compiled(*args)
     return graphs
-    # minillm.compile.CompiledModel counts its Inductor graphs the same way (CompiledModel.graphs).
+    # minillm.speed.compile.CompiledModel counts its Inductor graphs the same way (CompiledModel.graphs).

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from minillm.tiny import TINY_KINDS, tiny_pair
+from minillm.model.tiny import TINY_KINDS, tiny_pair
 
 # Property tests draw the same examples on every run (CI must not turn red by chance); set
 # HYPOTHESIS_PROFILE=explore to let hypothesis search new examples locally.
@@ -42,7 +42,7 @@ def reference_default_model():
     """transformers' LlamaForCausalLM holding the same dequantized weights as `default_model`."""
     from transformers import AutoModelForCausalLM
 
-    from minillm.loading import resolve_checkpoint_folder
+    from minillm.model.loading import resolve_checkpoint_folder
 
     return AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder("default"), dtype=torch.float32).eval()
 

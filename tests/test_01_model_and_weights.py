@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from minillm import ModelLoadError, load_model
-from minillm.cli import main as cli_main
-from minillm.loading import DEFAULT_GGUF, resolve_checkpoint_folder
-from minillm.fetch import minillm_home
-from minillm.model import causal_positions
-from minillm.tiny import tiny_hf_model
+from minillm.infer import main as cli_main
+from minillm.model.fetch import minillm_home
+from minillm.model.loading import DEFAULT_GGUF, resolve_checkpoint_folder
+from minillm.model.tiny import tiny_hf_model
+from minillm.model.transformer import causal_positions
 
 
 def _logits(model, tokens):
@@ -95,7 +95,7 @@ def test_default_logits_match_transformers_gguf_loader(default_model, transforme
 
 
 def test_default_greedy_continuations_match_transformers(default_model, reference_default_model):
-    from minillm.infer import generate
+    from minillm.strategies.generate import generate
 
     model, tokenizer = default_model
     for prompt in PROMPTS:
@@ -145,7 +145,7 @@ def test_default_tokenizer_matches_transformers(default_model, transformers_gguf
     """
     from tokenizers import Regex, Tokenizer, pre_tokenizers
 
-    from minillm.tokenizer import GPT2_PATTERN
+    from minillm.model.tokenizer import GPT2_PATTERN
 
     _, tokenizer = default_model
     strings = _varied_strings()
@@ -179,7 +179,7 @@ def test_default_chat_template_matches_transformers(default_model, transformers_
 
 
 def test_gpt2_tokenizer_known_ids():
-    from minillm.tokenizer import gpt2_tokenizer
+    from minillm.model.tokenizer import gpt2_tokenizer
 
     tok = gpt2_tokenizer()
     assert tok.encode("Hello world") == [15496, 995]

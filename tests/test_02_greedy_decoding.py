@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from minillm.infer import generate, sliding_window_start
-from minillm.sampling import SamplingConfig
-from minillm.tokenizer import gpt2_tokenizer
+from minillm.decoding.sampling import SamplingConfig
+from minillm.model.tokenizer import gpt2_tokenizer
+from minillm.strategies.generate import generate, sliding_window_start
 
 
 def brute_force_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
@@ -151,7 +151,7 @@ def test_streamed_text_equals_final_text_and_hides_stop_strings(default_model):
 
 def test_stop_string_split_across_tokens_with_gpt2_tokenizer(tiny_kind):
     """A stop string that several tokens complete together is still found and hidden."""
-    from minillm.stopping import RowState
+    from minillm.decoding.stopping import RowState
 
     tok = gpt2_tokenizer()
     ids = tok.encode("Hello there, General Kenobi! More text.")
@@ -191,7 +191,7 @@ def test_cli_error_is_one_line_without_traceback():
 
 
 def test_cli_help_explains_every_flag():
-    from minillm.cli import build_parser
+    from minillm.infer import build_parser
 
     parser = build_parser()
     for action in parser._actions:

@@ -23,9 +23,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from minillm.cli import build_parser, main, sampling_config
-from minillm.infer import generate
-from minillm.sampling import (
+from minillm.decoding.sampling import (
     SamplingConfig,
     SamplingError,
     TokenHistory,
@@ -37,6 +35,8 @@ from minillm.sampling import (
     process_logits,
     row_generators,
 )
+from minillm.infer import build_parser, main, sampling_config
+from minillm.strategies.generate import generate
 
 NO_IDS = torch.zeros(1, 0, dtype=torch.long)  # the warpers ignore input_ids
 
@@ -304,12 +304,12 @@ CLI_BAD = [
 
 @pytest.mark.parametrize("flags", CLI_BAD, ids=[" ".join(f) for f in CLI_BAD])
 def test_cli_rejects_bad_values_in_one_line(flags, capsys, monkeypatch):
-    import minillm.loading
+    import minillm.speed.load
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the sampling flags were checked")
 
-    monkeypatch.setattr(minillm.loading, "load_model", no_load)
+    monkeypatch.setattr(minillm.speed.load, "load_model", no_load)
     try:
         code = main(["--prompt", "Hello", *flags])
     except SystemExit as exit:  # argparse's own type errors

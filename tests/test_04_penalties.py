@@ -14,15 +14,15 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from minillm.infer import generate
-from minillm.sampling import (
+from minillm.decoding.sampling import (
     SamplingConfig,
     TokenHistory,
     apply_presence_frequency_penalty,
     apply_repetition_penalty,
     process_logits,
 )
-from minillm.tiny import tiny_pair
+from minillm.model.tiny import tiny_pair
+from minillm.strategies.generate import generate
 
 VOCAB = 40
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.infer import generate
-from minillm.model import causal_positions
-from minillm.precision import drift, first_divergence, next_token_logits, with_dtype
+from minillm.model.transformer import causal_positions
+from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
+from minillm.strategies.generate import generate
 
 # The bound lesson 05 reports for the default model (measured: bf16 ~97% top-1, mean KL ~1e-3 nats;
 # fp16 ~99%, ~3e-5 nats, over 300 positions of English prose).

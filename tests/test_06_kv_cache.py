@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minillm.infer import generate
-from minillm.kv_cache import DynamicCache, StaticCache, make_cache
-from minillm.model import Transformer, causal_positions
-from minillm.tiny import tiny_pair
+from minillm.cache.kv_cache import DynamicCache, StaticCache, make_cache
+from minillm.model.tiny import tiny_pair
+from minillm.model.transformer import Transformer, causal_positions
+from minillm.strategies.generate import generate
 
 CACHES = ("static", "dynamic", "none")
 
@@ -166,7 +166,7 @@ def _linear_reference(layer, x):
 @pytest.mark.parametrize("bias", [True, False])
 def test_fast_linear_equals_plain_linear(rows, out_features, bias):
     """The decode-speed Linear (oneDNN on a prepacked weight) computes F.linear."""
-    from minillm.onednn import OneDNNLinear as Linear
+    from minillm.speed.onednn import OneDNNLinear as Linear
 
     torch.manual_seed(0)
     layer = Linear(40, out_features, bias=bias).requires_grad_(False)
@@ -179,7 +179,7 @@ def test_fast_linear_equals_plain_linear(rows, out_features, bias):
 
 def test_fast_linear_repacks_when_the_weight_changes():
     """A stale packed copy would keep computing with the old weight after a load or an edit."""
-    from minillm.onednn import OneDNNLinear as Linear
+    from minillm.speed.onednn import OneDNNLinear as Linear
 
     torch.manual_seed(0)
     layer = Linear(16, 24).requires_grad_(False)
@@ -195,7 +195,7 @@ def test_fast_linear_survives_deepcopy_and_dtype_changes():
     """Lessons copy models (drafts, precision variants); the packed copy must not get in the way."""
     import copy
 
-    from minillm.onednn import OneDNNLinear as Linear
+    from minillm.speed.onednn import OneDNNLinear as Linear
 
     torch.manual_seed(0)
     layer = Linear(16, 24).requires_grad_(False)
@@ -208,7 +208,7 @@ def test_fast_linear_survives_deepcopy_and_dtype_changes():
 
 def test_fast_linear_keeps_gradients_when_training():
     """With gradients wanted, Linear falls back to F.linear, which has a backward."""
-    from minillm.onednn import OneDNNLinear as Linear
+    from minillm.speed.onednn import OneDNNLinear as Linear
 
     layer = Linear(8, 4)
     layer(torch.randn(2, 8)).sum().backward()
@@ -220,7 +220,7 @@ def test_rope_table_grows_past_block_size_with_exact_angles():
     give the exact rotation there, and leave every position it already held unchanged."""
     import math
 
-    from minillm.model import ModelConfig, RopeTable
+    from minillm.model.transformer import ModelConfig, RopeTable
 
     config = ModelConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, d_model=16, positions="rope",
                          norm="rmsnorm", mlp="swiglu")

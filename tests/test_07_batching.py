@@ -11,11 +11,10 @@ import json
 import pytest
 import torch
 
-from minillm.batching import attention_mask, greedy_right_padded, length_sorted_chunks, pad_left, padding_share
-from minillm.infer import generate_in_batches
-from minillm.cli import main
-from minillm.infer import generate
-from minillm.tiny import tiny_pair
+from minillm.infer import main
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.batching import attention_mask, greedy_right_padded, length_sorted_chunks, pad_left, padding_share
+from minillm.strategies.generate import generate, generate_in_batches
 
 LENGTHS = [1, 7, 200, 33, 120, 2]  # very different prompt lengths, one batch
 

@@ -1,6 +1,6 @@
 """Lesson 08: speculative decoding changes the speed, never the output.
 
-References: plain decoding (`minillm.infer.generate`) for greedy runs, token for token;
+References: plain decoding (`minillm.strategies.generate.generate`) for greedy runs, token for token;
 exact probability arithmetic and brute-force enumeration for sampling; a fresh prefill
 for the caches after rollbacks.
 """
@@ -13,17 +13,26 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from minillm.cli import main as cli_main
-from minillm.infer import generate
-from minillm.kv_cache import StaticCache, make_cache
-from minillm.model import causal_positions
-from minillm.sampling import SamplingConfig, process_logits
-from minillm.speculative import (
-    Draft, DraftModel, PromptLookup, SpeculativeDecoder, acceptance_probability, check_same_vocabulary,
-    expected_tokens_per_round, load_draft, predicted_speedup, residual_distribution, speculative_generate,
+from minillm.cache.kv_cache import StaticCache, make_cache
+from minillm.decoding.sampling import SamplingConfig, process_logits
+from minillm.infer import main as cli_main
+from minillm.model.tiny import tiny_pair
+from minillm.model.transformer import causal_positions
+from minillm.strategies.generate import generate
+from minillm.strategies.speculative import (
+    Draft,
+    DraftModel,
+    PromptLookup,
+    SpeculativeDecoder,
+    acceptance_probability,
+    check_same_vocabulary,
+    expected_tokens_per_round,
+    load_draft,
+    predicted_speedup,
+    residual_distribution,
+    speculative_generate,
     truncated_draft,
 )
-from minillm.tiny import tiny_pair
 
 KS = range(1, 9)
 TINY_PROMPT = [5, 17, 3, 42, 8, 5, 17, 3, 9, 61, 5, 17]  # repeats, so prompt lookup finds matches

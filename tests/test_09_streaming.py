@@ -13,12 +13,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minillm.infer import generate
-from minillm.sampling import SamplingError
-from minillm.streaming import (REPLACEMENT, CallbackStreamer, IncrementalDecoder, IteratorStreamer, PrintStreamer,
-                               stream)
-from minillm.tiny import tiny_pair
-from minillm.tokenizer import HFTokenizerWrapper, gpt2_tokenizer
+from minillm.decoding.sampling import SamplingError
+from minillm.model.tiny import tiny_pair
+from minillm.model.tokenizer import HFTokenizerWrapper, gpt2_tokenizer
+from minillm.strategies.generate import generate
+from minillm.strategies.streaming import (
+    REPLACEMENT,
+    CallbackStreamer,
+    IncrementalDecoder,
+    IteratorStreamer,
+    PrintStreamer,
+    stream,
+)
 
 # Characters whose UTF-8 bytes byte-level BPE splits over several tokens.
 TRICKY = ("é", "ü", "ß", "€", "😀", "👍🏽", "👩‍👩‍👧", "🇫🇷", "世", "界", "你好", "日本語", "e\u0301", "a\u0308\u0323",
@@ -260,7 +266,7 @@ def test_real_model_streams_non_ascii_text_exactly(default_model):
 
 
 def test_cli_streams_and_reports_time_to_first_token(capsys):
-    from minillm.cli import main
+    from minillm.infer import main
 
     assert main(["--prompt", "Say hi", "--max-new-tokens", "6", "--stats"]) == 0
     captured = capsys.readouterr()

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from minillm.batching import pad_left
-from minillm.beam import BeamSearchError, beam_search, continuation_logprobs
-from minillm.infer import generate
-from minillm.tiny import tiny_pair
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.batching import pad_left
+from minillm.strategies.beam import BeamSearchError, beam_search, continuation_logprobs
+from minillm.strategies.generate import generate
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]  # different lengths: left padding is exercised too
 
@@ -180,7 +180,7 @@ def test_same_as_transformers_on_the_real_model(default_model, reference_default
     (["--num-beams", "2", "--early-stopping", "maybe"], "--early-stopping"),
 ])
 def test_cli_refuses_bad_beam_options_in_one_line(capsys, flags, message):
-    from minillm.cli import main
+    from minillm.infer import main
 
     assert main(["--prompt", "Hi", *flags]) == 2
     err = capsys.readouterr().err
@@ -188,7 +188,7 @@ def test_cli_refuses_bad_beam_options_in_one_line(capsys, flags, message):
 
 
 def test_cli_beam_search_matches_the_api(capsys, default_model):
-    from minillm.cli import main
+    from minillm.infer import main
 
     model, tok = default_model
     assert main(["--prompt", "What is 2+2?", "--num-beams", "3", "--num-return-sequences", "2",

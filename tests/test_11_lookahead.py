@@ -3,17 +3,30 @@ sequential forwards, and the whole loop against plain decoding, token for token.
 
 from __future__ import annotations
 
-import torch
 import pytest
-
-from minillm.infer import generate
-from minillm.lookahead import CopyPointer, DraftTree, Lookahead, NGramTrie, context_first, likeliest_paths, share_draft
-from minillm.sampling import SamplingConfig
-from minillm.session import DecodeSession, Tree
-from minillm.speculative import (FREE_DRAFT, Draft, SpeculativeDecoder, latest_earlier_occurrence,
-                                 speculative_generate)
-from minillm.tiny import tiny_pair
+import torch
 from test_08_speculative_decoding import OracleDrafter
+
+from minillm.decoding.sampling import SamplingConfig
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.session import DecodeSession, Tree
+from minillm.strategies.generate import generate
+from minillm.strategies.lookahead import (
+    CopyPointer,
+    DraftTree,
+    Lookahead,
+    NGramTrie,
+    context_first,
+    likeliest_paths,
+    share_draft,
+)
+from minillm.strategies.speculative import (
+    FREE_DRAFT,
+    Draft,
+    SpeculativeDecoder,
+    latest_earlier_occurrence,
+    speculative_generate,
+)
 
 TINY_PROMPT = [5, 9, 14, 3, 27, 9, 14, 3, 8]
 

@@ -16,12 +16,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.engine import Engine, generate_continuous
-from minillm.infer import generate
-from minillm.paged import (BlockManager, PackedSequences, PagedKVCache, packed_attention, paged_attention,
-                           slot_mapping)
-from minillm.sampling import SamplingConfig
-from minillm.settings import SamplingError
+from minillm.cache.paged import (
+    BlockManager,
+    PackedSequences,
+    PagedKVCache,
+    packed_attention,
+    paged_attention,
+    slot_mapping,
+)
+from minillm.decoding.sampling import SamplingConfig
+from minillm.decoding.settings import SamplingError
+from minillm.runtime.engine import Engine, generate_continuous
+from minillm.strategies.generate import generate
 
 GREEDY = SamplingConfig(max_new_tokens=16, eos_token_id=())
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from minillm.serve import BackgroundServer
-from minillm.tiny import tiny_pair
+from minillm.model.tiny import tiny_pair
+from minillm.serving.server import BackgroundServer
 
 QUESTION = [{"role": "user", "content": "Name three colours and say why you like them."}]
 

@@ -18,12 +18,18 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from minillm.infer import generate
-from minillm.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, completion_prompts,
-                                max_new_tokens, sampling_config)
-from minillm.sampling import SamplingConfig
-from minillm.serve import BackgroundServer
-from minillm.tiny import tiny_pair
+from minillm.decoding.sampling import SamplingConfig
+from minillm.model.tiny import tiny_pair
+from minillm.serving.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_prompts,
+    max_new_tokens,
+    sampling_config,
+)
+from minillm.serving.server import BackgroundServer
+from minillm.strategies.generate import generate
 
 CONTEXT = 256
 
@@ -296,7 +302,7 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(t
 
 
 def test_release_forgets_only_finished_requests(tiny_model):
-    from minillm.engine import Engine
+    from minillm.runtime.engine import Engine
 
     model, tokenizer = tiny_model
     engine = Engine(model, tokenizer, num_blocks=16, block_size=8)
@@ -347,7 +353,7 @@ def test_the_four_prompt_forms(default_model):
 # ---------------------------------------------------------------------------------------------- command lines
 
 def test_serve_command_line_errors_are_one_line(capsys):
-    from minillm.serve import bind, main
+    from minillm.serving.server import bind, main
 
     assert main(["--port", "70000"]) == 2
     taken = bind("127.0.0.1", 0)
@@ -362,7 +368,7 @@ def test_serve_command_line_errors_are_one_line(capsys):
 
 
 def test_loadtest_command_line_measures_a_server(default_model, capsys):
-    from minillm.loadtest import main
+    from minillm.serving.loadtest import main
 
     _, tokenizer = default_model
     _, model = tiny_pair("llama", seed=3, vocab_size=49152, block_size=1024)  # room for the workload's prompts

@@ -12,17 +12,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.model import ModelConfig, Transformer, causal_positions, init_weights
-from minillm.mx import (E2M1, E2M3, E3M2, E4M3, SHARED_MICROEXPONENT, apply_mx_to_weights, bits_per_weight,
-                        element_bits, element_value, mx_decode, mx_encode, quantize_dequantize,
-                        shared_microexponent_quantize)
-from minillm.quant import (DynamicInt8Linear, Int4WeightLinear, Int8WeightLinear, QuantizationError, QuantizedLinear,
-                           StaticInt8Linear, dequantize_int4, dequantize_int8, dequantize_model,
-                           quantize_int4_groupwise, quantize_int8_per_channel, quantize_model, quantized_modules,
-                           weight_bytes)
-from minillm.quant_gguf import (decode_blocks, dequantize_blocks, encode_blocks, int4_linear_from_blocks,
-                                int8_linear_from_q8_0)
-from minillm.quality import compare_models, held_out_tokens
+from minillm.model.transformer import ModelConfig, Transformer, causal_positions, init_weights
+from minillm.speed.mx import (
+    E2M1,
+    E2M3,
+    E3M2,
+    E4M3,
+    SHARED_MICROEXPONENT,
+    apply_mx_to_weights,
+    bits_per_weight,
+    element_bits,
+    element_value,
+    mx_decode,
+    mx_encode,
+    quantize_dequantize,
+    shared_microexponent_quantize,
+)
+from minillm.speed.quality import compare_models, held_out_tokens
+from minillm.speed.quant import (
+    DynamicInt8Linear,
+    Int4WeightLinear,
+    Int8WeightLinear,
+    QuantizationError,
+    QuantizedLinear,
+    StaticInt8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    dequantize_model,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+    quantize_model,
+    quantized_modules,
+    weight_bytes,
+)
+from minillm.speed.quant_gguf import (
+    decode_blocks,
+    dequantize_blocks,
+    encode_blocks,
+    int4_linear_from_blocks,
+    int8_linear_from_q8_0,
+)
 
 # The default model's matrices (N, K): q/k/v fused, o, gate/up fused, down; and a small odd one.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (48, 64)]
@@ -297,7 +326,7 @@ def france(default_model):
 
 def test_gguf_native_q4_1_equals_the_dequantized_model(default_model, france):
     """minillm's float32 model is the GGUF dequantized: running the Q4_1 codes natively must give its logits."""
-    from minillm.quant_gguf import gguf_path_for, use_gguf_weights
+    from minillm.speed.quant_gguf import gguf_path_for, use_gguf_weights
 
     model, _ = default_model
     prompt = france[:, :12]  # the kernel's float32 path is a slow reference: a short prompt
@@ -336,8 +365,8 @@ def test_held_out_text_and_quality_measures(default_model):
 
 
 def test_cli_quant_refuses_what_it_cannot_map(capsys):
-    from minillm.cli import main
-    from minillm.quant_gguf import apply_quantization
+    from minillm.infer import main
+    from minillm.speed.quant_gguf import apply_quantization
 
     with pytest.raises(QuantizationError, match="'./my-folder' is not a GGUF: use --model default or a .gguf path"):
         apply_quantization(tiny_llama(), "gguf", "./my-folder")
@@ -349,10 +378,10 @@ def test_cli_quant_refuses_what_it_cannot_map(capsys):
 
 def test_quant_results_plot_and_report(tmp_path):
     """The committed results/quant.json draws and reports, quoting its own numbers."""
-    from minillm.benchmarks.common import RESULTS
-    from minillm.benchmarks.quant import plot
-    from minillm.benchmarks.report import quant_section
-    from minillm.jsonio import read_json
+    from minillm.base.jsonio import read_json
+    from minillm.bench.common import RESULTS
+    from minillm.bench.quant import plot
+    from minillm.bench.report import quant_section
 
     if not (RESULTS / "quant.json").exists():
         pytest.skip("results/quant.json not measured yet: python -m minillm.bench quant")
@@ -393,7 +422,7 @@ def test_gguf_copies_for_llama_cpp_keep_the_weights_and_the_metadata(tmp_path, m
     """The F32 copy holds exactly the dequantized weights; Q8_0 within its half-step; norms and metadata as they were."""
     import gguf
 
-    from minillm.benchmarks.llama_cpp import gguf_as
+    from minillm.bench.llama_cpp import gguf_as
 
     monkeypatch.setenv("MINILLM_HOME", str(tmp_path / "home"))
     Q4_1, Q8_0, F32 = (gguf.GGMLQuantizationType[k] for k in ("Q4_1", "Q8_0", "F32"))
@@ -424,7 +453,7 @@ def test_gguf_copies_for_llama_cpp_keep_the_weights_and_the_metadata(tmp_path, m
 def test_an_interrupted_gguf_copy_leaves_nothing_behind(tmp_path, monkeypatch):
     import gguf
 
-    from minillm.benchmarks.llama_cpp import gguf_as
+    from minillm.bench.llama_cpp import gguf_as
 
     monkeypatch.setenv("MINILLM_HOME", str(tmp_path / "home"))
     source = tmp_path / "model.gguf"

@@ -21,12 +21,12 @@ import sys
 import pytest
 import torch
 
-from minillm.compile import CompiledModel, compile_model, context_bucket
-from minillm.export import export_onnx
-from minillm.infer import generate
-from minillm.onnx_runner import ExportError, OnnxRunner
-from minillm.session import DecodeSession
-from minillm.tiny import tiny_pair
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.session import DecodeSession
+from minillm.speed.compile import CompiledModel, compile_model, context_bucket
+from minillm.speed.export import export_onnx
+from minillm.speed.onnx_runner import ExportError, OnnxRunner
+from minillm.strategies.generate import generate
 
 SLOW = pytest.mark.skipif(not os.environ.get("MINILLM_SLOW_TESTS"),
                           reason="compiles and exports the real default model (minutes): set MINILLM_SLOW_TESTS=1")
@@ -107,7 +107,7 @@ def test_context_buckets_are_few_and_hold_the_run():
 
 
 def test_cli_compile_flag_is_documented_and_checked():
-    from minillm.cli import main
+    from minillm.infer import main
 
     result = subprocess.run([sys.executable, "-m", "minillm", "--help"], capture_output=True, text=True, timeout=120)
     assert "--compile" in result.stdout
@@ -217,7 +217,7 @@ def test_default_model_compiled_matches_eager(default_model):
 @SLOW
 def test_default_model_onnx_matches_eager(default_model, tmp_path):
     model, tokenizer = default_model
-    from minillm.loading import resolve_checkpoint_folder
+    from minillm.model.loading import resolve_checkpoint_folder
 
     folder = export_onnx(model, tmp_path / "smollm2", context=256, chunk=32, model_name="default",
                          checkpoint=resolve_checkpoint_folder("default"))

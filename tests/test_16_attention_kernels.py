@@ -1,6 +1,6 @@
 """Lesson 16: attention kernels. Naive, online-softmax and tiled flash attention against PyTorch's SDPA
 and a float64 log-sum-exp over every mask the course uses; the whole model on each backend against the
-default one; the paged loop against `minillm.paged.paged_attention`."""
+default one; the paged loop against `minillm.cache.paged.paged_attention`."""
 
 from __future__ import annotations
 
@@ -15,17 +15,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.attention import AttentionStep, SDPABackend, set_attention_backend
-from minillm.attention_kernels import (BACKENDS, KernelBackend, flash_attention, make_backend, naive_attention,
-                                       online_softmax_attention, paged_flash_attention)
-from minillm.benchmarks import attention as bench
-from minillm.benchmarks import report
-from minillm.cli import build_parser
-from minillm.infer import generate
-from minillm.lookahead import Lookahead
-from minillm.paged import PagedKVCache, paged_attention
-from minillm.session import Tree, new_token_mask
-from minillm.speculative import speculative_generate
+from minillm.bench import attention as bench
+from minillm.bench import report
+from minillm.cache.paged import PagedKVCache, paged_attention
+from minillm.infer import build_parser
+from minillm.model.attention import AttentionStep, SDPABackend, set_attention_backend
+from minillm.runtime.session import Tree, new_token_mask
+from minillm.speed.attention_kernels import (
+    BACKENDS,
+    KernelBackend,
+    flash_attention,
+    make_backend,
+    naive_attention,
+    online_softmax_attention,
+    paged_flash_attention,
+)
+from minillm.strategies.generate import generate
+from minillm.strategies.lookahead import Lookahead
+from minillm.strategies.speculative import speculative_generate
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = {
@@ -250,7 +257,7 @@ def test_tiny_models_give_the_same_logits_and_tokens_on_each_backend(tiny, name,
 
 @pytest.mark.parametrize("name", BACKEND_OPTIONS)
 def test_lookahead_token_trees_run_on_each_backend(name, swap_backend):
-    from minillm.tiny import tiny_pair
+    from minillm.model.tiny import tiny_pair
 
     model = tiny_pair("llama", seed=0)[1]
     prompt = [5, 9, 14, 3, 27, 9, 14, 3, 8, 5, 9, 14]
@@ -288,13 +295,13 @@ def test_backends_by_name_and_packed_steps_refused():
 def test_cli_installs_the_backend_it_is_asked_for(default_model, swap_backend, monkeypatch, capsys):
     """`--attention NAME` puts make_backend(NAME) in every layer, and the tokens stay the same (the loaded
     model is the session's, so the test loads nothing; its own backends are put back afterwards)."""
-    from minillm.cli import main
+    from minillm.infer import main
 
     action = next(a for a in build_parser()._actions if "--attention" in a.option_strings)
     assert tuple(action.choices) == BACKENDS and action.default == "sdpa" and "flash" in action.help
     model = default_model[0]
     swap_backend(model, SDPABackend())  # records the model's own backends for the fixture to restore
-    monkeypatch.setattr("minillm.loading.load_model", lambda *args, **kwargs: default_model)
+    monkeypatch.setattr("minillm.speed.load.load_model", lambda *args, **kwargs: default_model)
     outputs = {}
     for name in ("flash", "sdpa"):
         assert main(["--prompt", "Name a colour.", "--max-new-tokens", "6", "--json", "--attention", name]) == 0
@@ -362,7 +369,7 @@ def test_triton_kernel_equals_sdpa():
     """On CUDA when present; else in Triton's interpreter on CPU tensors (a subprocess: the interpreter is
     chosen when triton is imported). Skips where triton is not installed."""
     pytest.importorskip("triton")
-    code = ("import torch; from minillm.attention_triton import check_against_sdpa; "
+    code = ("import torch; from minillm.speed.attention_triton import check_against_sdpa; "
             "print(check_against_sdpa('cuda' if torch.cuda.is_available() else 'cpu'))")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if not torch.cuda.is_available():

@@ -14,18 +14,18 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from minillm.attention import AttentionStep
-from minillm.beam import beam_search
-from minillm.families import FAMILIES
-from minillm.fetch import AssembledFile, FetchError, ModelLoadError, PackagedFile
-from minillm.infer import generate
-from minillm.loading import GEMMA3_PARTS, config_from_hf, resolve_checkpoint_folder
-from minillm.lookahead import Lookahead
-from minillm.model import SlidingWindow, Transformer
-from minillm.speculative import PromptLookup, speculative_generate
-from minillm.tiny import FAMILY_KINDS, TINY_WINDOW, tiny_pair
 from test_reliability import home, one_line_error, wheel, write_index  # noqa: F401  (home is a fixture)
+
+from minillm.model.attention import AttentionStep
+from minillm.model.families import FAMILIES
+from minillm.model.fetch import AssembledFile, FetchError, ModelLoadError, PackagedFile
+from minillm.model.loading import GEMMA3_PARTS, config_from_hf, resolve_checkpoint_folder
+from minillm.model.tiny import FAMILY_KINDS, TINY_WINDOW, tiny_pair
+from minillm.model.transformer import SlidingWindow, Transformer
+from minillm.strategies.beam import beam_search
+from minillm.strategies.generate import generate
+from minillm.strategies.lookahead import Lookahead
+from minillm.strategies.speculative import PromptLookup, speculative_generate
 
 CACHES = ("static", "dynamic")
 

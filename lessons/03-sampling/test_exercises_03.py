@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import EtaLogitsWarper, TypicalLogitsWarper
 
-from minillm.sampling import SamplingConfig, process_logits, sample_from_probs
+from minillm.decoding.sampling import SamplingConfig, process_logits, sample_from_probs
 
 NO_IDS = torch.zeros(1, 0, dtype=torch.long)  # the warpers ignore input_ids
 

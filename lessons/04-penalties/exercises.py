@@ -4,7 +4,7 @@ Each function starts as a stub; its check is skipped until you replace the
 `raise NotImplementedError`. Worked answers: solutions/04_penalties.py
 (try first: `pytest lessons/04-penalties --solutions` runs the checks on them).
 
-Like the penalties in `minillm/sampling.py`, a processor here is a pure function
+Like the penalties in `minillm/decoding/sampling.py`, a processor here is a pure function
 logits [batch, vocab] -> logits [batch, vocab] that does not modify its input.
 """
 
@@ -14,8 +14,8 @@ import math  # noqa: F401
 
 import torch  # noqa: F401
 
-from minillm.sampling import TokenHistory
-from minillm.session import DecodeSession  # noqa: F401
+from minillm.decoding.sampling import TokenHistory
+from minillm.runtime.session import DecodeSession  # noqa: F401
 
 
 def apply_no_repeat_ngram(logits: torch.Tensor, sequences: list[list[int]], n: int) -> torch.Tensor:
@@ -55,7 +55,7 @@ def penalise_rows(logits: torch.Tensor, history: TokenHistory, repetition: torch
                   presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
     """Exercise 3: Per-row penalties in one pass
 
-    A server batches requests with different settings. `minillm.sampling.process_rows` groups
+    A server batches requests with different settings. `minillm.decoding.sampling.process_rows` groups
     rows by settings and runs the processors once per group; do it for all rows at once instead:
     the repetition penalty (history.seen) and then presence/frequency (history.generated_counts),
     each row with its own values, as tensor operations with no loop over rows. Compute each

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from minillm.infer import generate
-from minillm.sampling import SamplingConfig, TokenHistory, process_logits, process_rows
-from minillm.tiny import tiny_pair
+from minillm.decoding.sampling import SamplingConfig, TokenHistory, process_logits, process_rows
+from minillm.model.tiny import tiny_pair
+from minillm.strategies.generate import generate
 
 VOCAB = 12
 

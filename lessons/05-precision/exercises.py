@@ -6,10 +6,6 @@ exercise skips until you do. Worked answers: solutions/05_precision.py (try firs
 
 from __future__ import annotations
 
-import torch
-
-from minillm.precision import next_token_logits, with_dtype
-
 
 def fp16_round(x):
     """Exercise 1: Round to float16 by hand

@@ -10,13 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.attention import AttentionStep
-from minillm.infer import generate
-from minillm.model import causal_positions
-from minillm.precision import drift, first_divergence, next_token_logits, with_dtype
-from minillm.tiny import tiny_pair
-
-
+from minillm.model.attention import AttentionStep
+from minillm.model.tiny import tiny_pair
+from minillm.model.transformer import causal_positions
+from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
+from minillm.strategies.generate import generate
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
@@ -107,7 +105,7 @@ def test_exercise_3_drift_sits_between_float32_and_bfloat16(answers, tiny):
 
 @torch.inference_mode()
 def residual_stream_maxima(model, ids):
-    """The forward of minillm.model.Transformer, written out, stopping after each block."""
+    """The forward of minillm.model.transformer.Transformer, written out, stopping after each block."""
     tokens = torch.tensor([ids])
     positions = causal_positions(1, len(ids))
     x = model.tok_emb(tokens)

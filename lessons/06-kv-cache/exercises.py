@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kv_cache import KVCache  # noqa: F401  (exercises 2 and 3 subclass it)
+from minillm.cache.kv_cache import KVCache  # noqa: F401  (exercises 2 and 3 subclass it)
 
 
 def kv_cache_bytes(config, batch: int, max_len: int, dtype: torch.dtype) -> int:
     """Exercise 1: Cache bytes for any model
 
-    config: a `minillm.model.ModelConfig` (GPT-2, Llama, Qwen2, SmolLM2, ... any of them).
+    config: a `minillm.model.transformer.ModelConfig` (GPT-2, Llama, Qwen2, SmolLM2, ... any of them).
     Return how many bytes a KV cache for `batch` rows of `max_len` tokens stores in `dtype`:
     keys and values of every layer (use `config.kv_heads` and `config.head_size`, which resolve
     the None defaults). The check compares it with what `StaticCache.for_model` really allocates.
@@ -32,7 +32,7 @@ def generate_sliding(model, prompt_ids: list[int], max_new_tokens: int) -> list[
     every token attends to at most block_size tokens (itself included). Keep the cached keys as
     they are and keep counting positions past block_size (`RopeTable` grows to any position).
 
-    Write the cache as a subclass of `minillm.kv_cache.KVCache` whose `_write(layer, k_new, v_new)`
+    Write the cache as a subclass of `minillm.cache.kv_cache.KVCache` whose `_write(layer, k_new, v_new)`
     returns what attention sees (see DynamicCache for the pattern) and call
     `model(tokens, positions, cache=your_cache)` yourself. Raise ValueError for a model with
     learned positions (GPT-2: its position table stops at block_size).
@@ -46,7 +46,7 @@ def generate_sliding(model, prompt_ids: list[int], max_new_tokens: int) -> list[
 def make_quantized_cache(n_layer: int):
     """Exercise 3: An int8 cache
 
-    Return a cache (a subclass of `minillm.kv_cache.KVCache`) that stores K and V as int8 with
+    Return a cache (a subclass of `minillm.cache.kv_cache.KVCache`) that stores K and V as int8 with
     one float32 scale per (row, KV head, token): scale = max |x| over head_dim / 127,
     q = round(x / scale) clamped to [-127, 127]. `update` returns the dequantized keys and
     values (q * scale, in the input's dtype) of every stored token. It must honour `crop(n)`

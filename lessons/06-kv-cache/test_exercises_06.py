@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minillm.kv_cache import DynamicCache, StaticCache
-from minillm.model import ModelConfig, causal_positions
-from minillm.tiny import tiny_pair
+from minillm.cache.kv_cache import DynamicCache, StaticCache
+from minillm.model.tiny import tiny_pair
+from minillm.model.transformer import ModelConfig, causal_positions
 
 CONFIGS = {
     "gpt2-small": ModelConfig(),  # 12 heads, plain multi-head attention

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch  # noqa: F401
 
-from minillm.batching import attention_mask, pad_left  # noqa: F401  (exercise 4)
-from minillm.kv_cache import DynamicCache  # noqa: F401  (exercise 4)
-from minillm.session import DecodeSession  # noqa: F401  (exercise 3)
+from minillm.cache.kv_cache import DynamicCache  # noqa: F401  (exercise 4)
+from minillm.runtime.batching import attention_mask, pad_left  # noqa: F401  (exercise 4)
+from minillm.runtime.session import DecodeSession  # noqa: F401  (exercise 3)
 
 
 def packed_prefill(model, rows: list[list[int]]) -> list[torch.Tensor]:
@@ -35,7 +35,7 @@ def least_padding_batches(lengths: list[int], batch_size: int) -> list[list[int]
     `batch_size` rows each, minimising the padding a padded prefill computes:
     sum over batches of sum(max(batch lengths) - length). Return the batches as lists of indices
     (any order). Hint: some optimal split takes contiguous runs of the rows sorted by length; choose
-    where the runs break with dynamic programming. `minillm.batching.length_sorted_chunks` is
+    where the runs break with dynamic programming. `minillm.runtime.batching.length_sorted_chunks` is
     sorted too, but fills batches from the shortest rows up, which is not always optimal.
     """
     raise NotImplementedError
@@ -44,7 +44,7 @@ def least_padding_batches(lengths: list[int], batch_size: int) -> list[list[int]
 def greedy_per_row_eos(model, prompts: list[list[int]], eos_ids: list[int], max_new_tokens: int) -> list[list[int]]:
     """Exercise 3: Per-row stops on the session
 
-    Greedy decoding of all `prompts` together on a `minillm.session.DecodeSession`
+    Greedy decoding of all `prompts` together on a `minillm.runtime.session.DecodeSession`
     (`prefill`, `extend`, `select`). Row i stops after it produces eos_ids[i] (kept as its last
     token) or after `max_new_tokens` tokens. A finished row must leave the batch at once with
     `session.select(...)`: no forward may hold a finished row.

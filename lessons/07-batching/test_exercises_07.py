@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from minillm.batching import length_sorted_chunks, pad_left
-from minillm.infer import generate
-from minillm.tiny import tiny_pair
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.batching import length_sorted_chunks, pad_left
+from minillm.strategies.generate import generate
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,11 @@ exercise skips until you do. Worked answers: solutions/08_speculative_decoding.p
 
 from __future__ import annotations
 
-import torch
-
-from minillm.kv_cache import make_cache
-from minillm.sampling import SamplingConfig
-from minillm.speculative import Draft, SpeculativeDecoder
-
 
 def bigram_drafter():
     """Exercise 1: A bigram drafter
 
-    Return a drafter object for `minillm.speculative` (the `Drafter` interface: `begin(target, tokenizer,
+    Return a drafter object for `minillm.strategies.speculative` (the `Drafter` interface: `begin(target, tokenizer,
     max_len)`, `propose(sequence, n, config, history, generator) -> Draft`, `rollback(sequence)`) that drafts
     by following the sequence's own bigrams: after the last token t, guess the token that followed t the most
     recent time t appeared earlier in `sequence` (pairs sequence[i], sequence[i + 1]; the latest pair wins),
@@ -59,7 +53,7 @@ def verify_sampled(p, q, draft_token, generator):
 
     Keep the drafted token with probability min(1, p(x)/q(x)); otherwise draw a token from
     normalise(max(0, p - q)). Returns (emitted token id as an int, whether it is the kept drafted token).
-    Write it from the formulas, without `minillm.speculative`'s helpers. The check draws x ~ q many times
+    Write it from the formulas, without `minillm.strategies.speculative`'s helpers. The check draws x ~ q many times
     and compares how often each token comes out with p, and how often a draft is kept with sum(min(p, q)).
     """
     raise NotImplementedError

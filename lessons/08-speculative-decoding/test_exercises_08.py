@@ -1,6 +1,6 @@
 """Checks for lesson 08's exercises: `pytest lessons/08-speculative-decoding` (yours) or `--solutions`.
 
-References: plain greedy decoding (`minillm.infer.generate`) token for token, a brute-force bigram table,
+References: plain greedy decoding (`minillm.strategies.generate.generate`) token for token, a brute-force bigram table,
 the schedule's rule recomputed from the rounds, and exact probability arithmetic for the sampling rule.
 """
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from minillm.infer import generate
-from minillm.speculative import PromptLookup, speculative_generate
-from minillm.tiny import tiny_pair
+from minillm.model.tiny import tiny_pair
+from minillm.strategies.generate import generate
+from minillm.strategies.speculative import PromptLookup, speculative_generate
 
 PROMPT = [5, 17, 3, 42, 8, 5, 17, 3, 9, 61, 5, 17]  # repeats, so copying drafters find matches
 

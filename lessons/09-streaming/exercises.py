@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import time
 
-from minillm.detokenize import IncrementalDecoder
-
 
 def word_streamer(on_text):
     """Exercise 1: A whole-word streamer

@@ -1,18 +1,18 @@
 """Checks for lesson 09's exercises: `pytest lessons/09-streaming` (yours) or `--solutions`.
 
 References: hand-worked expected pieces, the package's own stream (`generate(..., stream=True)` with stop strings,
-and `minillm.stopping.RowState`, which decides what generate shows), the final text of `generate`, and a fake clock.
+and `minillm.decoding.stopping.RowState`, which decides what generate shows), the final text of `generate`, and a fake clock.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from minillm.infer import generate
-from minillm.stopping import RowState
-from minillm.streaming import CallbackStreamer
-from minillm.tiny import tiny_pair
-from minillm.tokenizer import gpt2_tokenizer
+from minillm.decoding.stopping import RowState
+from minillm.model.tiny import tiny_pair
+from minillm.model.tokenizer import gpt2_tokenizer
+from minillm.strategies.generate import generate
+from minillm.strategies.streaming import CallbackStreamer
 
 HELLO = [39, 68, 75, 75, 78]  # "Hello", one byte per token
 

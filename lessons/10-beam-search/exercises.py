@@ -11,7 +11,7 @@ import math  # noqa: F401
 
 import torch  # noqa: F401
 
-from minillm.session import DecodeSession  # noqa: F401  (exercise 2)
+from minillm.runtime.session import DecodeSession  # noqa: F401  (exercise 2)
 
 
 def sequence_score(model, prompt_ids: list[int], token_ids: list[int], length_penalty: float) -> float:
@@ -20,7 +20,7 @@ def sequence_score(model, prompt_ids: list[int], token_ids: list[int], length_pe
     transformers' `sequences_scores` for a finished hypothesis: the summed log-probabilities of the
     new tokens `token_ids` (EOS included when it ended on EOS) after `prompt_ids`, divided by
     n ** length_penalty, n = len(token_ids). Compute it with ONE forward of the model over prompt +
-    hypothesis (`model(tokens, positions)`, then `log_softmax`), not with minillm.beam.
+    hypothesis (`model(tokens, positions)`, then `log_softmax`), not with minillm.strategies.beam.
 
     The check compares with transformers' scores for its own beams on tiny models.
     """
@@ -33,13 +33,13 @@ def beam_search_fixed_length(model, prompt_ids: list[int], num_beams: int,
 
     Beam search without EOS and without length normalisation: every hypothesis has exactly
     `max_new_tokens` new tokens and is scored by its summed log-probability. Use a
-    `minillm.session.DecodeSession`: `prefill([prompt_ids])` once, `select` to copy the prompt to
+    `minillm.runtime.session.DecodeSession`: `prefill([prompt_ids])` once, `select` to copy the prompt to
     the beams, and per step: log_softmax, add each beam's score, keep the best `num_beams` of the
     num_beams * vocab extensions (at the first step all beams are the same prompt: expand one),
     `select` the surviving beams' rows, `extend` with their new tokens.
 
     Returns num_beams (new token ids, summed log-prob) pairs, best first. The check compares with
-    `minillm.beam.beam_search(..., eos_token_id=(), length_penalty=0)` and transformers.
+    `minillm.strategies.beam.beam_search(..., eos_token_id=(), length_penalty=0)` and transformers.
     """
     raise NotImplementedError
 

@@ -7,12 +7,11 @@ import math
 import random
 
 import pytest
-import torch
 
-from minillm.batching import pad_left
-from minillm.beam import beam_search
-from minillm.infer import generate
-from minillm.tiny import tiny_pair
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.batching import pad_left
+from minillm.strategies.beam import beam_search
+from minillm.strategies.generate import generate
 
 PROMPT = [1, 2, 3, 4, 5]
 TREE = {  # the notebook's hand-made tree

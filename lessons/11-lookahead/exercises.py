@@ -3,7 +3,7 @@
 Each function below is a stub. Replace its `raise NotImplementedError` with your answer; the check for that
 exercise skips until you do. Worked answers: solutions/11_lookahead.py (try first!).
 
-Conventions (the package's, `minillm.lookahead.DraftTree`): a token tree is flattened into two lists,
+Conventions (the package's, `minillm.strategies.lookahead.DraftTree`): a token tree is flattened into two lists,
 `tokens` and `parents`; node 0 is the root (the sequence's last token, whose logits the verify forward
 also computes), parents[0] = -1, and every other node's parent comes before it.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch  # noqa: F401
 
-from minillm.speculative import Draft  # noqa: F401  (exercise 2)
+from minillm.strategies.speculative import Draft  # noqa: F401  (exercise 2)
 
 
 def tree_attention_mask(parents: list[int], prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,7 @@ def tree_attention_mask(parents: list[int], prefix_length: int) -> tuple[torch.T
     Example: parents [-1, 0, 1, 1] (root -> a -> {b, c}), prefix_length 2 -> mask rows
     111000, 111100, 111110, 111101; positions [2, 3, 4, 4].
 
-    The check compares with a brute-force walk and with the package (`minillm.session.Tree.from_parents`
+    The check compares with a brute-force walk and with the package (`minillm.runtime.session.Tree.from_parents`
     and `new_token_mask`), then runs a tiny model with your mask after a cached prefix: every node's logits
     must equal a plain forward over the prefix and that node's path.
     """

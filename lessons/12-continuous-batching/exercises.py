@@ -3,7 +3,7 @@
 Each function below is a stub. Replace its `raise NotImplementedError` with your answer; the check for that
 exercise skips until you do. Worked answers: solutions/12_continuous_batching.py (try first!).
 
-Conventions (the package's, `minillm.paged`): a pool holds `num_blocks` blocks of `block_size` token slots; a
+Conventions (the package's, `minillm.cache.paged`): a pool holds `num_blocks` blocks of `block_size` token slots; a
 sequence's block table lists the blocks holding its tokens in order; the slot of a token is its row in the pool
 flattened to [num_blocks * block_size, ...].
 """

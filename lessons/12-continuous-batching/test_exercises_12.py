@@ -1,6 +1,6 @@
 """Checks for lesson 12's exercises: `pytest lessons/12-continuous-batching` (yours) or `--solutions`.
 
-References: the package's slot mapping, pool gather and block manager (`minillm.paged`), a brute-force count of
+References: the package's slot mapping, pool gather and block manager (`minillm.cache.paged`), a brute-force count of
 shared blocks, each prompt's own forward on a tiny model, and the benchmark's `summarize` with NumPy's percentiles.
 """
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.benchmarks.serving import Served, summarize
-from minillm.paged import BlockManager, PagedKVCache, blocks_for, slot_mapping
-from minillm.tiny import tiny_pair
+from minillm.bench.serving import Served, summarize
+from minillm.cache.paged import BlockManager, PagedKVCache, blocks_for, slot_mapping
+from minillm.model.tiny import tiny_pair
 
 
 def test_exercise_1_slots_follow_the_block_table(answers):

@@ -29,7 +29,7 @@ def to_sampling_config(body: dict, max_new_tokens: int):
     """Exercise 2: OpenAI's parameters as minillm settings
 
     A request body (a dict with any of temperature, top_p, seed, stop, presence_penalty, frequency_penalty, and the
-    extras top_k, min_p, repetition_penalty) -> minillm.sampling.SamplingConfig for choice 0, with OpenAI's
+    extras top_k, min_p, repetition_penalty) -> minillm.decoding.sampling.SamplingConfig for choice 0, with OpenAI's
     defaults: sampling on at temperature 1 unless the body says otherwise (temperature 0 is greedy); `stop` may be
     one string or a list; absent fields keep SamplingConfig's defaults.
     """

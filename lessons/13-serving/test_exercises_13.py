@@ -1,7 +1,7 @@
 """Checks for lesson 13's exercises: `pytest lessons/13-serving` (yours) or `--solutions`.
 
 References: JSON round trips and a real stream from the package's server (on a tiny random model with the default
-model's tokenizer), the package's own parameter mapping (`minillm.openai_api.sampling_config`), the load test's
+model's tokenizer), the package's own parameter mapping (`minillm.serving.openai_api.sampling_config`), the load test's
 `summarize`, and a step-by-step simulation of a server's queue.
 """
 
@@ -12,8 +12,8 @@ import random
 import httpx
 import pytest
 
-from minillm.loadtest import Outcome, summarize
-from minillm.openai_api import CompletionRequest, sampling_config
+from minillm.serving.loadtest import Outcome, summarize
+from minillm.serving.openai_api import CompletionRequest, sampling_config
 
 
 def test_exercise_1_events_round_trip(answers):
@@ -25,9 +25,9 @@ def test_exercise_1_events_round_trip(answers):
 
 
 def test_exercise_1_a_real_stream_decodes_to_the_whole_answer(answers):
-    from minillm.loading import load_model
-    from minillm.serve import BackgroundServer
-    from minillm.tiny import tiny_pair
+    from minillm.model.tiny import tiny_pair
+    from minillm.serving.server import BackgroundServer
+    from minillm.speed.load import load_model
 
     answers.sse_decode(["data: [DONE]"])  # skips here, before loading anything, until you answer
     _, tokenizer = load_model("default")

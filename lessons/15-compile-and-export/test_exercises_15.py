@@ -1,6 +1,6 @@
 """Checks for lesson 15's exercises: `pytest lessons/15-compile-and-export` (yours) or `--solutions`.
 
-References: the session's own mask (`minillm.session.new_token_mask`), a Python loop over the columns, the
+References: the session's own mask (`minillm.runtime.session.new_token_mask`), a Python loop over the columns, the
 onnxruntime runner's chunking replayed on a recording stub, and graph counts known from how dynamo specialises.
 """
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.onnx_runner import OnnxRunner
-from minillm.session import new_token_mask
+from minillm.runtime.session import new_token_mask
+from minillm.speed.onnx_runner import OnnxRunner
 
 
 def test_exercise_1_the_mask_is_the_sessions(answers):

@@ -1,7 +1,7 @@
 """Checks for lesson 17's exercises: `pytest lessons/17-model-families` (yours) or `--solutions`.
 
 References: minillm's and transformers' norms, a brute-force mask and transformers' MistralForCausalLM,
-`minillm.families.rotary_order` and GPT-J's own rotation of neighbouring pairs.
+`minillm.model.families.rotary_order` and GPT-J's own rotation of neighbouring pairs.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.families import rotary_order
-from minillm.model import GemmaRMSNorm, ModelConfig, RopeTable, apply_rope
-from minillm.tiny import TINY_WINDOW, tiny_pair
+from minillm.model.families import rotary_order
+from minillm.model.tiny import TINY_WINDOW, tiny_pair
+from minillm.model.transformer import GemmaRMSNorm, ModelConfig, RopeTable, apply_rope
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

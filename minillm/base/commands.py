@@ -1,0 +1,59 @@
+"""The promise every `python -m minillm...` command keeps: a bad flag or value is one line, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is reported on one line (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"minillm: error: {message} (see --help)\n")
+
+
+def negative_values_attached(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--temperature -inf` -> `--temperature=-inf`: argparse would read a value that starts
+    with '-' (and is not a plain number) as a flag and report "expected one argument"."""
+    takes_value = {option for action in parser._actions if action.nargs is None and action.option_strings
+                   for option in action.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1] not in parser._option_string_actions:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def run_command(parser: argparse.ArgumentParser, run, argv=None) -> int:
+    """Parse `argv` and return `run(args)`, with every failure one line on stderr and an exit status.
+
+    The promise of every `python -m minillm...` command (infer, serve, export, loadtest): --help
+    exits 0, a bad flag or a bad value 2, Ctrl-C 130, a closed pipe (`| head`) 0 quietly, never
+    a traceback (MINILLM_DEBUG=1 shows it).
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        args = parser.parse_args(negative_values_attached(parser, sys.argv[1:] if argv is None else list(argv)))
+    except SystemExit as e:
+        return e.code
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\nminillm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:  # the promise: one clear line, no traceback
+        if os.environ.get("MINILLM_DEBUG"):
+            raise
+        print(f"minillm: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+        return 2

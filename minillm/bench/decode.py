@@ -1,0 +1,194 @@
+"""Suite `decode`: greedy tokens per second at batch 1 (lessons 05 and 06).
+
+At batch 1 every decoded token reads every weight once, so decode speed is bounded
+by memory bandwidth: `weight bytes per token * tokens/s` can never exceed what the
+machine reads per second. The suite measures that bandwidth in the same run and
+reports each contender's share of the bound (the roofline).
+
+Contenders, alternating in one run on the same weights and prompt (EOS off, so all
+produce exactly `new_tokens` tokens):
+
+    minillm static / dynamic / none   `generate(cache=...)`: the three caches of lesson 06
+    transformers                      `generate`, its default dynamic cache
+    transformers static               `generate(cache_implementation="static")`
+
+in float32 and bfloat16 (lesson 05). Decode tokens/s counts the tokens after the
+first one over the time after the first one, for both libraries (transformers'
+streamer timestamps its tokens). Plus: prefill time of a 512-token prompt.
+
+    python -m minillm.bench decode            # 128 prompt + 128 new tokens, 512-token prefill
+    python -m minillm.bench decode --quick    # 32 + 16, 128-token prefill, float32 + minillm bf16
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..model.transformer import causal_positions
+from ..strategies.generate import generate
+from .batch import TEXT
+from .common import alternate, measure_memory_bandwidth, median, plot_title, save_png, spread, synchronize
+
+
+class TokenClock:
+    """A transformers streamer noting when each new token arrives (its first call is the prompt)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def decode_seconds(self) -> float:
+        return self.times[-1] - self.times[1]  # from the first new token to the last
+
+
+def _minillm(model, prompt, new_tokens, cache, device, record):
+    def run():
+        out = generate(model, [prompt], cache=cache, max_new_tokens=new_tokens)  # ids, no tokenizer: no EOS
+        synchronize(device)
+        record.append(out.token_ids[0])
+        return out.stats.decode_seconds
+    return run
+
+
+def _transformers(hf_model, prompt, new_tokens, device, record, **generate_kwargs):
+    tokens = torch.tensor([prompt], device=device)
+
+    def run():
+        clock = TokenClock()
+        out = hf_model.generate(tokens, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                streamer=clock, **generate_kwargs)
+        synchronize(device)
+        record.append(out[0, len(prompt):].tolist())
+        return clock.decode_seconds()
+    return run
+
+
+def _prefill(model, hf_model, prompt, device, repeats) -> dict:
+    """Seconds to run a prompt through each model once, producing only the last position's logits."""
+    tokens = torch.tensor([prompt], device=device)
+    positions = causal_positions(1, len(prompt), device)
+
+    def minillm():
+        model(tokens, positions, last_only=True)
+        synchronize(device)
+
+    def transformers():
+        hf_model(tokens, logits_to_keep=1)
+        synchronize(device)
+
+    with torch.inference_mode():
+        times = alternate({"minillm": minillm, "transformers": transformers}, repeats=repeats, warmup=1)
+    return {name: median(t) for name, t in times.items()}
+
+
+def run(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from ..model.loading import resolve_checkpoint_folder
+    from ..speed.load import load_model
+
+    quick = args.quick
+    prompt_tokens, new_tokens, prefill_tokens = (32, 16, 128) if quick else (128, 128, 512)
+    repeats = 1 if quick else args.repeats
+    dtypes = ("float32", "bfloat16")
+    folder = resolve_checkpoint_folder(args.model)
+    bandwidth = measure_memory_bandwidth(device=args.device)
+
+    results, prefill = {}, None
+    for dtype in dtypes:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
+        ids = tokenizer.encode(TEXT * 2)
+        prompt = ids[:prompt_tokens]
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(args.device).eval()
+        hf_model.generation_config.eos_token_id = None
+        records = {}
+        contenders = {}
+        caches = ("static", "dynamic", "none") if dtype == "float32" else ("static", "dynamic")
+        if quick and dtype != "float32":
+            caches = ("static",)
+        for cache in caches:
+            name = f"minillm {cache}"
+            contenders[name] = _minillm(model, prompt, new_tokens, cache, args.device, records.setdefault(name, []))
+        if not (quick and dtype != "float32"):
+            contenders["transformers"] = _transformers(hf_model, prompt, new_tokens, args.device,
+                                                       records.setdefault("transformers", []))
+            contenders["transformers static"] = _transformers(hf_model, prompt, new_tokens, args.device,
+                                                              records.setdefault("transformers static", []),
+                                                              cache_implementation="static")
+        times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode {dtype}")
+        weight_bytes = model.num_weight_bytes()
+        rows = {}
+        for name, seconds in times.items():
+            tok_s = (new_tokens - 1) / median(seconds)
+            rows[name] = {"tokens_per_second": tok_s, "ms_per_token": 1000 / tok_s,
+                          "roofline_fraction": tok_s * weight_bytes / bandwidth,
+                          "decode_seconds_per_repeat": seconds}
+        reference = "transformers" if "transformers" in rows else None
+        for name, row in rows.items():
+            if reference:
+                row["speedup_vs_transformers"] = row["tokens_per_second"] / rows[reference]["tokens_per_second"]
+                best = max(rows[r]["tokens_per_second"] for r in rows if r.startswith("transformers"))
+                row["speedup_vs_best_transformers"] = row["tokens_per_second"] / best
+        same = {name: record[-1] == records["minillm static"][-1] for name, record in records.items()}
+        results[dtype] = {"weight_bytes": weight_bytes, "roofline_tokens_per_second": bandwidth / weight_bytes,
+                          "contenders": rows, "same_tokens_as_minillm_static": same}
+        for name, row in rows.items():
+            extra = f", x{row['speedup_vs_transformers']:.2f} vs transformers" if reference else ""
+            print(f"{dtype:8s} {name:20s} {row['tokens_per_second']:6.1f} tok/s, "
+                  f"{row['roofline_fraction']:.0%} of roofline{extra}", flush=True)
+        if dtype == "float32":
+            prefill = _prefill(model, hf_model, ids[:prefill_tokens], args.device, repeats)
+            print(f"prefill {prefill_tokens} tokens: minillm {prefill['minillm']:.3f} s, "
+                  f"transformers {prefill['transformers']:.3f} s", flush=True)
+        del model, hf_model
+
+    return {"model": args.model, "quick": quick, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats,
+            "memory_bandwidth_gb_s": bandwidth / 1e9, "results": results,
+            "prefill": {"tokens": prefill_tokens, "seconds": prefill,
+                        "speedup_vs_transformers": prefill["transformers"] / prefill["minillm"]}}
+
+
+def plot(data: dict, path=None):
+    """Bars of decode tokens/s per contender and dtype (whiskers: min-max over the repeats), roofline dashed."""
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(data["results"]), figsize=(5.5 * len(data["results"]), 4.6), squeeze=False)
+    for ax, (dtype, res) in zip(axes[0], data["results"].items()):
+        names = list(res["contenders"])
+        speeds = [res["contenders"][n]["tokens_per_second"] for n in names]
+        per_repeat = [[(data["new_tokens"] - 1) / s for s in res["contenders"][n].get("decode_seconds_per_repeat", [])]
+                      for n in names]
+        colors = ["tab:blue" if n.startswith("minillm") else "tab:orange" for n in names]
+        bars = ax.bar(range(len(names)), speeds, color=colors, yerr=spread(speeds, per_repeat), capsize=4)
+        for bar, n in zip(bars, names):  # inside the bar, clear of the whiskers
+            ax.annotate(f"{res['contenders'][n]['roofline_fraction']:.0%}", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height() / 2), ha="center", va="center", fontsize=8, color="white")
+        ax.axhline(res["roofline_tokens_per_second"], color="gray", ls="--",
+                   label=f"roofline {res['roofline_tokens_per_second']:.0f} tok/s "
+                         f"({res['weight_bytes'] / 1e6:.0f} MB at {data['memory_bandwidth_gb_s']:.0f} GB/s)")
+        ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
+        ax.set_xlabel("library and KV cache")
+        ax.set_ylabel("decode speed (tokens/s, batch 1, greedy)")
+        ax.set_title(dtype)
+        ax.set_ylim(0, 1.2 * max(res["roofline_tokens_per_second"], *speeds))
+        ax.legend(fontsize=8, loc="upper right")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(plot_title("Decode speed at batch 1", data, " and ".join(data["results"])) +
+                 f"\n{data['prompt_tokens']} prompt + {data['new_tokens']} new tokens; bars: median over repeats "
+                 f"(n = {data['repeats']}), whiskers: min-max; labels: share of the roofline", fontsize=10)
+    fig.tight_layout()
+    if path is not None:
+        save_png(fig, path)
+        plt.close(fig)
+    return fig

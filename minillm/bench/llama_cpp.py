@@ -1,0 +1,106 @@
+"""llama.cpp as a contender: the same weights in the GGUF type a suite compares against.
+
+llama.cpp is the C++ engine the course measures itself against. It is optional:
+`pip install llama-cpp-python` builds it from source (a few minutes, needs cmake and
+a C++ compiler), so the suites include it when it imports and say why not otherwise.
+
+The default model ships as one Q4_1 GGUF. A fair FP32 comparison needs llama.cpp on
+the *same* weights at full precision, and the int8 one on llama.cpp's own 8-bit
+format, so `gguf_as` writes copies of the file with every quantized tensor
+dequantized (F32) or requantized (Q8_0) by the `gguf` package: the weights minillm
+runs in FP32 are exactly the F32 copy's. Copies are made once and kept in the cache,
+written under a temporary name and renamed, so an interrupted conversion leaves
+nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..model.fetch import minillm_home, remove, temporary_path
+
+FILE_TYPES = {"F32": 0, "Q8_0": 7}  # general.file_type: llama.cpp's LLAMA_FTYPE_ALL_F32, _MOSTLY_Q8_0
+
+
+def missing_reason() -> str | None:
+    """None when llama-cpp-python imports; otherwise what to install."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "not installed (pip install llama-cpp-python builds it; the suite then includes it)"
+    return None
+
+
+def gguf_as(source: Path, tensor_type: str) -> Path:
+    """`source` with its quantized weights stored as `tensor_type` ("F32" or "Q8_0"), converted once and cached."""
+    import gguf
+    from tqdm import tqdm
+
+    if tensor_type not in FILE_TYPES:
+        raise ValueError(f"tensor_type {tensor_type!r}: choose one of {', '.join(FILE_TYPES)}")
+    target = minillm_home() / "llama.cpp" / f"{source.stem}.{tensor_type}.gguf"
+    if target.is_file() and target.stat().st_mtime >= source.stat().st_mtime:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    wanted = gguf.GGMLQuantizationType[tensor_type]
+    reader = gguf.GGUFReader(source)
+    partial = temporary_path(target)
+    try:
+        writer = gguf.GGUFWriter(partial, str(reader.fields["general.architecture"].contents()))
+        for field in reader.fields.values():  # the metadata as it is, but for the file type
+            if field.name == "general.architecture" or field.name.startswith("GGUF."):
+                continue
+            value = FILE_TYPES[tensor_type] if field.name == "general.file_type" else field.contents()
+            kind = field.types[0]
+            writer.add_key_value(field.name, value, kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+        for tensor in tqdm(reader.tensors, desc=f"GGUF as {tensor_type}", unit="tensor"):
+            data, stored = np.asarray(tensor.data), tensor.tensor_type
+            if stored not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):  # leave norms as they are
+                data = gguf.quants.dequantize(data, stored)  # float32 [rows, columns]
+                if wanted != gguf.GGMLQuantizationType.F32:
+                    data = gguf.quants.quantize(data, wanted)
+                stored = wanted
+            writer.add_tensor(tensor.name, data, raw_dtype=stored)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        partial.replace(target)
+    finally:
+        remove(partial)
+    return target
+
+
+class LlamaCpp:
+    """llama.cpp on one GGUF, timed as the other contenders are: greedy decode and prefill."""
+
+    def __init__(self, gguf_path: Path, context: int, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                         verbose=False, use_extra_bufts=False)  # its repacked-weight path has crashed on some x86 CPUs
+
+    def decode(self, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+        """(seconds for the new_tokens - 1 steps after the first token, the new token ids), prefill excluded:
+        the same count minillm's and transformers' decode clocks time."""
+        self.llm.reset()
+        self.llm.eval(prompt)
+        tokens = [self.llm.sample(temp=0)]
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            self.llm.eval(tokens[-1:])
+            tokens.append(self.llm.sample(temp=0))
+        return time.perf_counter() - start, tokens
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Seconds to run the prompt through the model (its logits for the first token)."""
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        return time.perf_counter() - start
+
+
+__all__ = ["LlamaCpp", "gguf_as", "missing_reason"]

@@ -1,0 +1,265 @@
+"""`python -m minillm.bench speculative`: what drafting buys on this machine, against transformers.
+
+Greedy decoding at batch 1 on the default model, FP32. For each task (an input-grounded
+edit of a passage, and an open-ended story) and each draft length k, the same prompt runs
+through plain cached greedy decoding and through each drafter, minillm and transformers'
+assisted generation (`prompt_lookup_num_tokens`, `assistant_model`) alternating in one
+run. Reported: tokens/s (generated tokens over the whole call, prefill included),
+speedup over the same library's plain greedy, acceptance rate, tokens per target
+forward, whether the tokens equal plain greedy's, and the cost model's prediction from
+the measured acceptance rate, the measured draft/target cost ratio c and the measured
+cost of verifying k + 1 tokens in one forward.
+
+Every k adds one run per drafter and library, and a draft model's run grows with k
+(it drafts k tokens one forward at a time), so the draft lengths decide the run time:
+
+    python -m minillm.bench speculative                          # k = 1, 2, 4, 8; BF16 and 24-layer drafts
+    python -m minillm.bench speculative --ks 1,2,3,4,5,6,7,8     # every k up to 8: a longer run
+    python -m minillm.bench speculative --drafts dtype:bfloat16  # without the slow 24-layer drafts
+    python -m minillm.bench speculative --quick                  # 48 new tokens, the BF16 draft only
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache.kv_cache import make_cache
+from ..strategies.generate import generate
+from ..strategies.speculative import DraftModel, PromptLookup, load_draft, predicted_speedup, speculative_generate
+from .common import alternate, median, plot_title, save_png, spread_band
+
+PASSAGE = (
+    "The lighthouse on Gull Point was bilt in 1871 to warn ships away from the rocks that lie just under the "
+    "surface at high tide. For more then a century a keeper lived in the small stone house at its foot, climbing "
+    "the hundred and twelve steps each evening to light the lamp and again each morning to put it out. In 1962 "
+    "the light was automated, and the last keeper, a quiet man named Tomas Reyes, moved to the village, where he "
+    "spent his remaining years repairing fishing nets and telling visitors about the storms he had seen."
+)
+TASKS = {
+    "edit (input-grounded)": "Correct the spelling mistakes in this passage and return the whole corrected "
+                             "passage:\n\n" + PASSAGE,
+    "open-ended": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+DRAFTS = ("dtype:bfloat16", "layers:24")  # the target's own weights: in BF16, or its first 24 of 30 blocks
+
+
+@torch.inference_mode()
+def forward_seconds(model, n_tokens: int, context: int, repeats: int = 5) -> float:
+    """Median time of one cached forward over `n_tokens` new tokens after `context` cached ones."""
+    cache = make_cache("static", model, 1, context + n_tokens)
+    model(torch.randint(0, model.config.vocab_size, (1, context)), torch.arange(context)[None], cache=cache)
+    tokens = torch.randint(0, model.config.vocab_size, (1, n_tokens))
+    positions = torch.arange(context, context + n_tokens)[None]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        model(tokens, positions, cache=cache)
+        times.append(time.perf_counter() - start)
+        cache.crop(context)
+    return median(times[1:])
+
+
+def cost_ratios(target, drafts: dict, ks, context: int) -> tuple[dict, dict]:
+    """verify_cost[k]: a (k+1)-token target forward in one-token forwards; draft_cost[name]: c."""
+    one = forward_seconds(target, 1, context)
+    verify = {k: forward_seconds(target, k + 1, context) / one for k in ks}
+    draft_cost = {name: forward_seconds(model, 1, context) / one for name, model in drafts.items()}
+    return verify, draft_cost
+
+
+def measure_task(model, tokenizer, prompt: str, ks, max_new_tokens: int, repeats: int, drafts: dict,
+                 hf=None, hf_drafts: dict | None = None) -> dict:
+    """One task: every contender at every k, alternating; speedups against the same library's plain greedy."""
+    ids = tokenizer.encode(prompt)
+    runs, outputs = {}, {}
+
+    def minillm_plain():
+        outputs["minillm plain"] = generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
+
+    runs["minillm plain"] = minillm_plain
+    drafters = {"prompt-lookup": PromptLookup, **{f"draft {name}": (lambda m=m: DraftModel(m)) for name, m in drafts.items()}}
+    for name, make in drafters.items():
+        for k in ks:
+            def run(name=name, make=make, k=k):
+                outputs[f"minillm {name}", k] = speculative_generate(model, ids, make(), tokenizer=tokenizer,
+                                                                     num_draft_tokens=k, max_new_tokens=max_new_tokens)
+            runs[f"minillm {name}", k] = run
+    if hf is not None:
+        input_ids = torch.tensor([ids])
+        common = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids),
+                      pad_token_id=tokenizer.eos_token_id)
+
+        def hf_generate(key, **extra):
+            outputs[key] = hf.generate(input_ids, **common, **extra)[0, len(ids):].tolist()
+
+        runs["transformers plain"] = lambda: hf_generate("transformers plain")
+        for k in ks:
+            runs["transformers prompt-lookup", k] = lambda k=k: hf_generate(("transformers prompt-lookup", k),
+                                                                            prompt_lookup_num_tokens=k)
+            for name, assistant in (hf_drafts or {}).items():
+                def assisted(name=name, assistant=assistant, k=k):
+                    assistant.generation_config.num_assistant_tokens = k
+                    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+                    assistant.generation_config.assistant_confidence_threshold = 0.0  # fixed k, no early stop
+                    hf_generate((f"transformers assistant {name}", k), assistant_model=assistant)
+                runs[f"transformers assistant {name}", k] = assisted
+
+    times = alternate({str(key): fn for key, fn in runs.items()}, repeats=repeats, warmup=1,
+                      desc="speculative runs")
+    plain_ids = outputs["minillm plain"].rows[0].token_ids
+    result = {"prompt_tokens": len(ids), "contenders": {}}
+
+    def tokens_of(key):
+        out = outputs[key]
+        return out if isinstance(out, list) else out.rows[0].token_ids
+
+    def speed(key):
+        return len(tokens_of(key)) / median(times[str(key)])
+
+    result["minillm plain"] = {"tokens_per_second": speed("minillm plain"), "tokens": len(plain_ids),
+                               "seconds_per_repeat": times["minillm plain"]}
+    if hf is not None:
+        hf_plain = tokens_of("transformers plain")
+        result["transformers plain"] = {"tokens_per_second": speed("transformers plain"), "tokens": len(hf_plain),
+                                        "matches_minillm": hf_plain == plain_ids,
+                                        "seconds_per_repeat": times["transformers plain"]}
+    for key in runs:
+        if isinstance(key, str):
+            continue
+        name, k = key
+        library = name.split()[0]
+        row = {"tokens_per_second": speed(key), "speedup": speed(key) / result[f"{library} plain"]["tokens_per_second"],
+               "matches_plain": tokens_of(key) == tokens_of(f"{library} plain"),
+               "tokens": len(tokens_of(key)), "seconds_per_repeat": times[str(key)]}
+        if library == "minillm":
+            row.update({f: outputs[key].stats.extra[f] for f in ("acceptance_rate", "tokens_per_target_forward")})
+        result["contenders"].setdefault(name, {})[k] = row
+    return result
+
+
+def add_predictions(task: dict, verify_cost: dict, draft_cost: dict) -> None:
+    """The cost model's speedup for each minillm drafter, from its measured acceptance."""
+    for name, rows in task["contenders"].items():
+        if not name.startswith("minillm"):
+            continue
+        c = draft_cost.get(name.removeprefix("minillm draft "), 0.0)  # prompt lookup costs ~nothing
+        for k, row in rows.items():
+            a = row["acceptance_rate"]
+            row["predicted_speedup"] = None if a != a else predicted_speedup(a, k, c, verify_cost[k])
+
+
+def run(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from ..model.loading import resolve_checkpoint_folder
+    from ..speed.load import load_model
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
+    folder = resolve_checkpoint_folder(args.model)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ks = getattr(args, "ks", None) or (1, 2, 4, 8)  # --ks: each k adds one run per drafter and library
+    max_new_tokens = 48 if args.quick else 128
+    draft_specs = getattr(args, "drafts", None) or (DRAFTS[:1] if args.quick else DRAFTS)
+    drafts = {spec: load_draft(spec, model)[0] for spec in draft_specs}
+    hf_drafts = {}
+    for spec in draft_specs:
+        if spec.startswith("dtype:"):
+            hf_drafts[spec] = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, spec[6:])).eval()
+        else:
+            n = int(spec.split(":")[1])
+            draft = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            draft.model.layers, draft.config.num_hidden_layers = draft.model.layers[:n], n
+            hf_drafts[spec] = draft
+    tasks = {}
+    for task, message in tqdm(TASKS.items(), desc="speculative tasks", unit="task", disable=None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}])
+        tqdm.write(f"speculative: {task} ...")
+        tasks[task] = measure_task(model, tokenizer, prompt, ks, max_new_tokens, args.repeats, drafts, hf, hf_drafts)
+    context = max(t["prompt_tokens"] for t in tasks.values()) + max_new_tokens // 2
+    verify_cost, draft_cost = cost_ratios(model, drafts, ks, context)
+    for task in tasks.values():
+        add_predictions(task, verify_cost, draft_cost)
+    return {"model": args.model, "dtype": "float32", "max_new_tokens": max_new_tokens, "ks": list(ks),
+            "repeats": args.repeats,
+            "verify_cost": verify_cost, "draft_cost_ratio": draft_cost, "tasks": tasks}
+
+
+def plot(data: dict, path=None):
+    """One row per task: tokens/s against k for each library (its plain greedy as a gray line, the speedup
+    over it on the right axis, the cost model dashed), and minillm's acceptance rate.
+
+    Colour names the drafter, so the same drafter can be compared across libraries
+    on the shared tokens/s axis. Bands: min-max over the repeats.
+    """
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def drafter(contender: str) -> str:  # 'minillm draft dtype:bfloat16', 'transformers assistant dtype:bfloat16'
+        return contender.split(" ", 1)[1].removeprefix("draft ").removeprefix("assistant ")
+
+    def by_draft_length(by_k: dict) -> tuple[list[int], list[dict]]:  # JSON turned the int keys into strings
+        ks = sorted(int(k) for k in by_k)
+        return ks, [by_k[k] if k in by_k else by_k[str(k)] for k in ks]
+
+    def plot_library(ax, result: dict, library: str) -> None:
+        plain = result[f"{library} plain"]
+        plain_speed = plain["tokens_per_second"]
+        ax.axhline(plain_speed, color="gray", label=f"plain greedy, {plain_speed:.1f} tok/s")
+        if plain.get("seconds_per_repeat"):
+            speeds = [plain["tokens"] / s for s in plain["seconds_per_repeat"]]
+            ax.axhspan(min(speeds), max(speeds), color="gray", alpha=0.15, linewidth=0)
+        for name, by_k in result["contenders"].items():
+            if not name.startswith(library):
+                continue
+            ks, rows = by_draft_length(by_k)
+            color = colors[drafter(name)]
+            ax.plot(ks, [r["tokens_per_second"] for r in rows], "o-", color=color, label=drafter(name))
+            spread_band(ax, ks, [[r["tokens"] / s for s in r.get("seconds_per_repeat", [])] for r in rows], color)
+            if "predicted_speedup" in rows[0]:
+                ax.plot(ks, [plain_speed * r["predicted_speedup"] if r["predicted_speedup"] is not None
+                             else float("nan") for r in rows], "--", color=color)
+        ax.secondary_yaxis("right", functions=(lambda y: y / plain_speed, lambda x: x * plain_speed)
+                           ).set_ylabel("speedup over plain greedy (x)")
+        ax.set(title=f"{task}: {library}", xlabel="draft length k (tokens)", ylabel="tokens / s (whole call)")
+
+    def plot_acceptance(ax, result: dict) -> None:
+        for name, by_k in result["contenders"].items():
+            ks, rows = by_draft_length(by_k)
+            if "acceptance_rate" in rows[0]:
+                ax.plot(ks, [r["acceptance_rate"] if r["acceptance_rate"] is not None else float("nan")
+                             for r in rows], "o-", color=colors[drafter(name)], label=drafter(name))
+        ax.set(title=f"{task}: minillm acceptance rate", xlabel="draft length k (tokens)",
+               ylabel="drafted tokens accepted (fraction)", ylim=(0, 1.05))
+
+    tasks = data["tasks"]
+    libraries = [library for library in ("minillm", "transformers")
+                 if any(name.startswith(library) for result in tasks.values() for name in result["contenders"])]
+    drafters = list(dict.fromkeys(drafter(name) for result in tasks.values() for name in result["contenders"]))
+    colors = dict(zip(drafters, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, axes = plt.subplots(len(tasks), len(libraries) + 1, figsize=(5 * (len(libraries) + 1), 4.4 * len(tasks)),
+                             squeeze=False)
+    for panels, (task, result) in zip(axes, tasks.items()):
+        for ax in panels[1:len(libraries)]:  # one tokens/s scale per task: the libraries compare directly
+            ax.sharey(panels[0])
+        for ax, library in zip(panels, libraries):
+            plot_library(ax, result, library)
+        plot_acceptance(panels[-1], result)
+        for ax in panels:
+            ax.set_xticks(sorted({int(k) for by_k in result["contenders"].values() for k in by_k}))
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+    fig.suptitle(plot_title("Speculative decoding, greedy, batch 1", data, data["dtype"]) +
+                 f"\nup to {data['max_new_tokens']} new tokens; dashed: cost model from the measured acceptance; "
+                 "lines: median over repeats, bands: min-max", fontsize=10)
+    fig.tight_layout()
+    if path is not None:
+        save_png(fig, path)
+        plt.close(fig)
+    return fig

@@ -1,0 +1,100 @@
+"""Attention backends: the seam between the model's attention module and the kernel that runs it.
+
+The model computes queries, keys and values, lets the cache store the new keys and
+values, and hands everything attention needs to a backend:
+
+    y = backend(q, k, v, step)
+    # q [B, H, T, hd]; k, v [B, KV, S, hd] (every key the cache holds for these rows, S >= T)
+    # step: AttentionStep (positions [B, T], mask bool [B, T, S] or None); y [B, H, T, hd]
+
+`mask=None` means plain causal attention where the T queries are the last T of the S
+keys. Anything else (padding, rows of different lengths, a token tree) arrives as an
+explicit boolean mask, True where a query may attend to a key. A continuous-batching
+step packs many sequences into one row and keeps their keys in a paged cache; it
+carries a `step.packed` description instead (`minillm.cache.paged.PackedSequences`), which
+only a backend that reads paged caches handles (`minillm.cache.paged.PagedAttention` wraps
+any other backend and takes those steps itself). A backend is any
+callable with that signature; `set_attention_backend` swaps it in every layer, so a
+paged, tree-aware, flash-style or compiled kernel is added without editing `model.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionStep:
+    """What one forward tells every layer's attention (the same object for all layers)."""
+
+    positions: torch.Tensor  # long [B, T]: each query's position in its sequence
+    mask: torch.Tensor | None = None  # bool [B, T, S], True = may attend; None = causal, queries last
+    packed: object | None = None  # several sequences packed into one row over a paged cache (`minillm.cache.paged`)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)  # see `once`
+
+    def once(self, key, make):
+        """`make()` for the first layer that asks for `key`, the same result for every later one.
+
+        What a backend derives from the step (a mask repeated per query head, say) is the
+        same in every layer of one forward; building it once saves a copy per layer.
+        """
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
+
+
+@functools.lru_cache(maxsize=4)  # every layer of one forward asks for the same mask
+def causal_mask_lower_right(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
+    """bool [T, S]: query t sees keys 0 .. S - T + t (the queries are the last T positions).
+
+    SDPA's own `is_causal=True` aligns the triangle top-left, which is only right when
+    T == S; a chunk that follows a cached prefix needs this lower-right alignment.
+    """
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(diagonal=num_keys - num_queries)
+
+
+class SDPABackend:
+    """PyTorch's `scaled_dot_product_attention`, with grouped-query heads handled here.
+
+    A query whose mask row is all False gets zeros, not NaN (SDPA's behaviour); callers
+    never read such rows (they are padding).
+    """
+
+    name = "sdpa"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        B, H, T, hd = q.shape
+        KV, S = k.shape[1], k.shape[2]
+        group = H // KV
+        mask = step.mask
+        if mask is None and T == S:  # a whole sequence from its start: SDPA's own causal kernel skips the future
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, hd]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        if mask is None and T > 1:
+            mask = causal_mask_lower_right(T, S, q.device)  # [T, S]
+        elif mask is not None and mask.dim() == 3:
+            mask = mask[:, None]  # [B, 1, T, S]: the same mask for every head
+        if group == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # Grouped-query heads without copying keys and values: the `group` query heads that share a
+        # KV head become group * T queries of that head (SDPA's own enable_gqa is much slower on CPU).
+        # Query row g * T + t is head g's query t, so the mask repeats once per head of the group.
+        if mask is not None and T > 1:
+            mask = step.once(("grouped mask", group, T, S),
+                             lambda: mask.repeat(*[1] * (mask.dim() - 2), group, 1))  # [..., group * T, S]
+        grouped = F.scaled_dot_product_attention(q.reshape(B, KV, group * T, hd), k, v, attn_mask=mask)
+        return grouped.reshape(B, H, T, hd)
+
+
+def set_attention_backend(model, backend) -> None:
+    """Run every attention layer of `model` through `backend` (see the module docstring)."""
+    for block in model.blocks:
+        block.attn.backend = backend
+
+
+__all__ = ["AttentionStep", "SDPABackend", "causal_mask_lower_right", "set_attention_backend"]

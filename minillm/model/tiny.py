@@ -1,0 +1,122 @@
+"""Tiny random models, in transformers and in minillm with the same weights.
+
+The course checks every lesson against transformers. Real checkpoints are large
+(and unreachable offline), but transformers builds any architecture from a config
+with random weights and no download, so a 2-layer GPT-2, Llama or Qwen2 with a
+small vocabulary is an exact, fast reference:
+
+    hf_model, model = tiny_pair("llama")
+    model(tokens, positions)  ==  hf_model(tokens).logits   (fp32, ~1e-6)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .loading import config_from_hf, hf_to_minillm_state
+from .transformer import Transformer
+
+TINY_KINDS = ("gpt2", "llama", "qwen2")
+# Lesson 17's families, each with every switch it brings turned on and a sliding window (8)
+# shorter than the prompts the checks use.
+FAMILY_KINDS = ("gemma3", "gemma2", "qwen3", "mistral", "phi3", "opt", "opt-pre", "gptj")
+TINY_WINDOW = 8
+
+
+def tiny_hf_model(kind: str = "llama", seed: int = 0, vocab_size: int = 96, block_size: int = 64, n_layer: int = 2):
+    """A small random transformers model (eval mode, float32).
+
+    TINY_KINDS keep transformers' own initialisation (scaled up a little). FAMILY_KINDS
+    randomise every parameter, norms and biases included: Gemma initialises its norm
+    weights to zero, and a zero hides a norm applied twice, or not at all.
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        config = tf.GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=32, n_layer=n_layer, n_head=4,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                               bos_token_id=None, eos_token_id=None)
+        model = tf.GPT2LMHeadModel(config)
+    elif kind in ("llama", "qwen2"):
+        common = dict(vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                      tie_word_embeddings=kind == "qwen2")
+        if kind == "llama":
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(rope_theta=10000.0, **common))
+        else:
+            model = tf.Qwen2ForCausalLM(tf.Qwen2Config(rope_theta=1000000.0, **common))
+    elif kind in FAMILY_KINDS:
+        model = tiny_family_model(kind, vocab_size, block_size)
+        return randomized(model, gemma=kind.startswith("gemma")).eval()
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}: use one of {', '.join(TINY_KINDS + FAMILY_KINDS)}")
+    # Random init gives tiny logits; scale weights up a little so argmax is not decided by noise.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(5.0)
+    return model.eval()
+
+
+def tiny_family_model(kind: str, vocab_size: int, block_size: int):
+    """Four layers (sliding and global ones interleaved where the family has both), two KV heads."""
+    import transformers as tf
+
+    ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    llama_like = dict(vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, **ids)
+    gemma = dict(llama_like, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    if kind == "gemma3":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(rope_parameters=rope, **gemma))
+    if kind == "gemma2":
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(attn_logit_softcapping=None, final_logit_softcapping=3.0,
+                                                    **gemma))
+    if kind == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, tie_word_embeddings=True, **llama_like))
+    if kind == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=TINY_WINDOW, **llama_like))
+    if kind == "phi3":
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": block_size // 2,
+                "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0]}
+        return tf.Phi3ForCausalLM(tf.Phi3Config(rope_parameters=rope, sliding_window=TINY_WINDOW,
+                                                resid_pdrop=0.0, embd_pdrop=0.0, **llama_like))
+    if kind in ("opt", "opt-pre"):
+        return tf.OPTForCausalLM(tf.OPTConfig(
+            vocab_size=vocab_size, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
+            max_position_embeddings=block_size, word_embed_proj_dim=16, do_layer_norm_before=kind == "opt-pre",
+            dropout=0.0, attention_dropout=0.0, **ids))
+    return tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=vocab_size, n_positions=block_size, n_embd=32, n_layer=4,
+                                            n_head=4, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                            bos_token_id=None, eos_token_id=None))
+
+
+def randomized(model, gemma: bool):
+    """Every parameter random: matrices ~N(0, 0.1), biases ~N(0, 0.1), norm weights around 1 (Gemma: around 0,
+    since it adds the 1 itself)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.uniform_(-0.5, 0.5).add_(0.0 if gemma else 1.0)
+    return model
+
+
+def from_hf_model(hf_model) -> Transformer:
+    """The same weights in a minillm Transformer (shared storage is copied)."""
+    config = config_from_hf(hf_model.config.to_dict())
+    state = hf_to_minillm_state(hf_model.state_dict(), config, hf_model.config.model_type)
+    model = Transformer(config)
+    model.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True)
+    return model.eval()
+
+
+def tiny_pair(kind: str = "llama", seed: int = 0, **sizes):
+    """(transformers model, minillm model) holding identical random weights."""
+    hf_model = tiny_hf_model(kind, seed, **sizes)
+    return hf_model, from_hf_model(hf_model)

@@ -1,0 +1,503 @@
+"""One decoder-only transformer that covers GPT-2, the Llama family and the other families.
+
+GPT-2 comes first: learned positions, LayerNorm, GELU MLP, biases everywhere.
+A handful of `ModelConfig` switches turn the same class into Llama/SmolLM2/Qwen2:
+RMSNorm, rotary positions (RoPE), a SwiGLU MLP, grouped-query attention and an
+optional bias on the q/k/v projection. A few more make Gemma 2/3, Qwen3, Mistral,
+Phi-3, OPT and GPT-J (lesson 17; `minillm.model.families` maps a checkpoint onto them):
+Gemma's x̂·(1 + w) norms, four per block, its scaled embedding and attention scalar;
+QK-norm; sliding-window layers with their own RoPE base; partial and long-context
+RoPE; post-norm and parallel blocks; logit soft-capping. Architecture differences
+are config fields, not subclasses.
+
+The one forward every lesson uses:
+
+    logits = model(tokens, positions, cache=None, mask=None)
+    # tokens, positions: LongTensor [B, T]  ->  logits: float32 [B, T, vocab]
+
+The caller owns positions and the mask (so batches of rows with different
+lengths, speculative and tree verification and sliding windows all use the same
+call; `minillm.runtime.session` is the caller every strategy shares); the cache owns the
+keys and values stored so far (`minillm.cache.kv_cache`); the attention kernel is a
+swappable backend (`minillm.model.attention`, SDPA by default).
+
+Everything here is plain PyTorch: `nn.Linear`, `nn.Embedding`, SDPA. Hardware
+fast paths are module swaps applied after loading (`minillm.speed.onednn`), each with an
+off switch and each checked equal to this plain model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionStep, SDPABackend, causal_mask_lower_right
+
+NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
+MLPS = ("gelu", "relu", "swiglu", "geglu")
+BLOCKS = ("pre", "post", "parallel")
+LAYER_TYPES = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything that shapes the network. Defaults are GPT-2 small; every other switch is off by default."""
+
+    vocab_size: int = 50257
+    block_size: int = 1024  # context length: the most positions the model was trained on
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # grouped-query attention; None means n_head (plain multi-head)
+    d_model: int = 768
+    d_ff: int | None = None  # MLP hidden size; None means 4 * d_model
+    head_dim: int | None = None  # None means d_model // n_head
+    norm: str = "layernorm"  # "layernorm" (GPT-2), "rmsnorm" (Llama) or "gemma_rmsnorm" (x̂·(1 + w), Gemma)
+    norm_eps: float = 1e-5
+    positions: str = "learned"  # "learned" (GPT-2) or "rope" (Llama)
+    rope_theta: float = 10000.0
+    mlp: str = "gelu"  # "gelu" (GPT-2, tanh approximation), "relu" (OPT), "swiglu" (Llama) or "geglu" (Gemma)
+    bias: bool = True  # bias on the output/MLP projections and norms (GPT-2)
+    qkv_bias: bool = True  # bias on the q/k/v projection (GPT-2, Qwen2)
+    tie_embeddings: bool = True  # LM head shares the token embedding matrix
+    # --- model families (lesson 17) ---
+    # "pre": x + f(norm(x)); "post": norm(x + f(x)) (OPT-350m); "parallel": attention and MLP side by side (GPT-J)
+    block: str = "pre"
+    post_norms: bool = False  # a norm on the attention and MLP outputs too: four norms per block (Gemma 2/3)
+    qk_norm: bool = False  # normalise each query and key head before RoPE (Gemma 3, Qwen3)
+    embed_scale: bool = False  # multiply the embedding by sqrt(d_model), rounded to the weights' dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim) (Gemma)
+    sliding_window: int | None = None  # a sliding layer's query at position p sees keys at p - window < position <= p
+    layer_types: tuple[str, ...] | None = None  # "full" / "sliding" per layer; None: all sliding when sliding_window is set
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
+    rotary_dim: int | None = None  # partial RoPE: only this many dims of each head rotate (GPT-J, some Phi)
+    rope_short_factor: tuple[float, ...] | None = None  # long-RoPE (Phi-3): per-frequency divisors up to rope_original_max
+    rope_long_factor: tuple[float, ...] | None = None  # ... and beyond it
+    rope_original_max: int | None = None  # the context the model was pretrained on (long-RoPE switches past it)
+    rope_attention_factor: float = 1.0  # long-RoPE scales cos and sin by this
+    attn_out_bias: bool | None = None  # bias on the attention output projection; None: `bias` (GPT-J has none, its MLP has)
+    lm_head_bias: bool = False  # GPT-J
+    d_embed: int | None = None  # token embedding width when it differs from d_model: project in and out (OPT-350m)
+    final_norm: bool = True  # a norm before the LM head (OPT's post-norm models have none)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+
+    def __post_init__(self):
+        for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("block", BLOCKS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        if self.positions not in ("learned", "rope"):
+            raise ValueError(f"positions={self.positions!r}: use 'learned' or 'rope'")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.kv_heads}")
+        if self.layer_types is not None and (len(self.layer_types) < self.n_layer
+                                             or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types={self.layer_types!r}: give 'full' or 'sliding' for each of the "
+                             f"{self.n_layer} layers")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size
+                                            or (self.head_size - self.rotary_dim) % 2):
+            raise ValueError(f"rotary_dim={self.rotary_dim}: use an even number up to head_dim={self.head_size} "
+                             f"(leaving an even number of dims unrotated)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def ff_size(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def embed_size(self) -> int:
+        return self.d_embed or self.d_model
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through a sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like Llama (it matters in fp16/bf16)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), scaled in float32 and only then cast.
+
+    The weight is stored as an offset from 1 (zero-initialised), and Gemma multiplies
+    before casting where Llama casts first: in bf16 the two round differently.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm whose statistics are taken in float32 whatever the weights' dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float()
+        bias = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The config's norm over `dim` features (default d_model; QK-norm uses head_dim)."""
+    dim = dim or config.d_model
+    if config.norm == "rmsnorm":
+        return RMSNorm(dim, config.norm_eps)
+    if config.norm == "gemma_rmsnorm":
+        return GemmaRMSNorm(dim, config.norm_eps)
+    return LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, factors=None) -> torch.Tensor:
+    """[rotary_dim / 2] rotation speeds, theta^(-2i/rotary_dim); long-RoPE divides each by its factor.
+
+    Written as transformers writes it, so that float32 gives the same bits.
+    """
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if factors is None:
+        return 1.0 / (theta ** exponents)
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+
+
+class RopeTable:
+    """cos and sin for positions 0..n-1, computed once per dtype and device.
+
+    Decoding one token would otherwise recompute ~10 small tensors per step; a
+    lookup is one gather. `sin` has the rotate-half sign folded in (its first half
+    negated), so rotating needs no negation: x * cos + swap_halves(x) * sin.
+
+    The table starts at `block_size` positions and grows on demand (doubling) when a
+    larger position is asked for: RoPE itself has no last position, and keeping a
+    cache while sliding past the context (lesson 06) numbers tokens beyond
+    block_size. Each position's angles are computed independently, so growing
+    changes no entry that was already there.
+
+    Partial RoPE (`rotary_dim` < head_dim) rotates pairs (i, i + head_dim/2) for
+    i < rotary_dim/2 and gives the other dims angle 0 (cos 1, sin 0: x passes
+    unchanged, exactly). The loader reorders each head's q/k rows so the rotating
+    dims sit there (`minillm.model.families.rotary_order`); a dot product does not care
+    how the dims of q and k are ordered, as long as both are ordered alike.
+
+    Long-RoPE (Phi-3) divides each speed by a factor, one set for contexts up to
+    the pretraining length and one beyond, and scales cos and sin. Like transformers,
+    each forward picks the set by its largest position.
+    """
+
+    def __init__(self, config: ModelConfig, theta: float | None = None):
+        self.block_size, self.head_dim = config.block_size, config.head_size
+        self.theta = config.rope_theta if theta is None else theta
+        self.rotary_dim = config.rotary_dim or config.head_size
+        self.original_max = config.rope_original_max if config.rope_long_factor is not None else None
+        self.factors = {False: config.rope_short_factor, True: config.rope_long_factor}
+        self.scale = config.rope_attention_factor
+        self.tables: dict = {}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        long = self.original_max is not None and needed > self.original_max
+        key = (dtype, positions.device, "long") if long else (dtype, positions.device)
+        table = self.tables.get(key)
+        size = len(table[0]) if table is not None else 0
+        if table is None or needed > size:
+            self.tables[key] = self.build(max(self.block_size, needed, 2 * size), dtype, positions.device, long)
+        cos, sin = self.tables[key]
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    def build(self, size: int, dtype: torch.dtype, device, long: bool):
+        """cos, signed sin [size, head_dim]; angles in float32 (bf16 positions lose whole tokens), cast at the end."""
+        inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.factors[long]).to(device)
+        angles = torch.arange(size, device=device).float()[:, None] * inv_freq  # [size, rotary_dim/2]
+        cos, sin = angles.cos() * self.scale, angles.sin() * self.scale
+        still = (self.head_dim - self.rotary_dim) // 2  # dims per half that do not rotate
+        cos, sin = F.pad(cos, (0, still), value=1.0), F.pad(sin, (0, still))  # [size, head_dim/2]
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (i, i + head_dim/2) pair of x [..., head_dim] by its position's angle.
+
+    Same numbers as transformers' x * cos + rotate_half(x) * sin: negating is exact,
+    so folding the sign of rotate_half into `signed_sin` changes no bit.
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
+
+
+class SlidingWindow:
+    """The attention step of a sliding-window layer: the step's own mask, and keys near the query only.
+
+    In the session's layout row b's token at position p sits at cache column p, so
+    query (b, t) may see column j only if positions[b, t] - j < window. A windowed
+    layer hands its backend an ordinary mask, so every backend works unchanged. The
+    windowed step is built once per forward (`AttentionStep.once`) and shared by all
+    sliding layers. Among the nodes of a token tree (lesson 11) columns run ahead of
+    positions; the window only has to be longer than the tree is deep.
+    """
+
+    def __init__(self, window: int):
+        self.window = window
+
+    def __call__(self, step: AttentionStep, num_keys: int) -> AttentionStep:
+        if step.packed is not None:
+            raise ValueError("sliding-window attention over a packed paged batch is not supported yet: "
+                             "run this model with the decode session (cache='static' or 'dynamic')")
+        if num_keys <= self.window:  # a query's position is below num_keys: every key is near enough
+            return step
+        return step.once(("sliding window", self.window, num_keys), lambda: self._windowed(step, num_keys))
+
+    def _windowed(self, step: AttentionStep, num_keys: int) -> AttentionStep:
+        positions = step.positions  # [B, T]
+        columns = torch.arange(num_keys, device=positions.device)
+        near = positions[:, :, None] - columns < self.window  # [B, T, S]
+        mask = step.mask if step.mask is not None else causal_mask_lower_right(positions.shape[1], num_keys,
+                                                                               positions.device)
+        return AttentionStep(positions, mask & near)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention; q, k and v come from one fused matmul.
+
+    The score/softmax/value product itself is delegated to `self.backend`
+    (`minillm.model.attention`): SDPA by default, swappable without touching this class.
+    A backend scales scores by 1/sqrt(head_dim); a model with another scale
+    (Gemma's query_pre_attn_scalar) pre-scales q to get it.
+    """
+
+    def __init__(self, config: ModelConfig, window: SlidingWindow | None = None):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_size
+        qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.qkv = nn.Linear(config.d_model, qkv_out, bias=config.qkv_bias)
+        out_bias = config.bias if config.attn_out_bias is None else config.attn_out_bias
+        self.proj = nn.Linear(self.n_head * self.head_dim, config.d_model, bias=out_bias)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        scalar = config.query_pre_attn_scalar
+        self.q_scale = math.sqrt(self.head_dim / scalar) if scalar not in (None, self.head_dim) else None
+        self.window = window
+        self.backend = SDPABackend()
+
+    def forward(self, x, rope, layer, cache, step: AttentionStep):
+        B, T, _ = x.shape
+        H, KV, hd = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.qkv(x).view(B, T, H + 2 * KV, hd)
+        qk = qkv[:, :, : H + KV]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
+        if rope is not None:
+            qk = apply_rope(qk, *rope)  # rotate q and k heads together: one op instead of two
+        q, k = qk[:, :, :H], qk[:, :, H:]
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)  # [B, heads, T, hd]
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # [B, KV, S, hd]: everything stored so far
+        if self.window is not None:
+            step = self.window(step, k.shape[2])
+        y = self.backend(q, k, v, step)  # [B, H, T, hd]
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, d_model]
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"gelu": gelu_tanh, "relu": F.relu, "swiglu": F.silu, "geglu": gelu_tanh}
+
+
+class MLP(nn.Module):
+    """GPT-2: proj(gelu(fc(x))). Llama: proj(silu(gate(x)) * up(x)), gate and up fused in one matmul.
+
+    Gemma's GeGLU is Llama's gated form with GELU for SiLU; OPT uses plain ReLU.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gated = config.mlp in ("swiglu", "geglu")
+        self.activation = ACTIVATIONS[config.mlp]
+        hidden = config.ff_size
+        self.fc = nn.Linear(config.d_model, 2 * hidden if self.gated else hidden, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.d_model, bias=config.bias)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.activation(gate) * up
+        else:
+            h = self.activation(h)
+        return self.proj(h)
+
+
+class Block(nn.Module):
+    """A residual block; `config.block` places the norms.
+
+    pre (GPT-2, Llama, Gemma):  x + attn(norm1(x)), then x + mlp(norm2(x));
+                                Gemma also normalises each output (post_norms: four norms);
+    post (OPT-350m):            norm1(x + attn(x)), then norm2(x + mlp(x));
+    parallel (GPT-J):           x + attn(norm1(x)) + mlp(norm1(x)): one norm, both branches read it.
+    """
+
+    def __init__(self, config: ModelConfig, window: SlidingWindow | None = None):
+        super().__init__()
+        self.kind = config.block
+        self.norm1, self.attn = make_norm(config), Attention(config, window)
+        self.norm2 = make_norm(config) if config.block != "parallel" else None
+        self.mlp = MLP(config)
+        self.post_attn_norm = make_norm(config) if config.post_norms else None
+        self.post_mlp_norm = make_norm(config) if config.post_norms else None
+        self.local_rope = window is not None and config.rope_local_theta is not None
+
+    def forward(self, x, rope, layer, cache, step):
+        if self.kind == "pre":
+            h = self.attn(self.norm1(x), rope, layer, cache, step)
+            if self.post_attn_norm is not None:
+                h = self.post_attn_norm(h)
+            x = x + h
+            h = self.mlp(self.norm2(x))
+            if self.post_mlp_norm is not None:
+                h = self.post_mlp_norm(h)
+            return x + h
+        if self.kind == "parallel":
+            h = self.norm1(x)
+            return self.attn(h, rope, layer, cache, step) + self.mlp(h) + x
+        x = self.norm1(x + self.attn(x, rope, layer, cache, step))
+        return self.norm2(x + self.mlp(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d, d_embed = config.d_model, config.embed_size
+        self.tok_emb = nn.Embedding(config.vocab_size, d_embed)
+        self.proj_in = nn.Linear(d_embed, d, bias=False) if d_embed != d else None
+        self.pos_emb = nn.Embedding(config.block_size, d) if config.positions == "learned" else None
+        window = SlidingWindow(config.sliding_window) if config.sliding_window is not None else None
+        self.blocks = nn.ModuleList(Block(config, window if config.is_sliding(i) else None)
+                                    for i in range(config.n_layer))
+        self.norm_f = make_norm(config) if config.final_norm else None
+        self.proj_out = nn.Linear(d, d_embed, bias=False) if d_embed != d else None
+        rope = config.positions == "rope"
+        self.rope = RopeTable(config) if rope else None
+        self.rope_local = RopeTable(config, config.rope_local_theta) if rope and config.rope_local_theta else None
+        self.lm_head = nn.Linear(d_embed, config.vocab_size, bias=config.lm_head_bias)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_emb.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_emb.weight.dtype
+
+    def forward(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None,
+                packed=None):
+        """tokens, positions [B, T]; mask: bool [B, T, S] (True = may attend) or None for causal.
+
+        `packed` (a `minillm.cache.paged.PackedSequences`) says that the one row holds several
+        sequences back to back, whose keys live in a paged cache: continuous batching's step.
+
+        The LM head is a 49152-wide matmul per position, so prefill asks for fewer rows:
+        `last_only` computes logits at the final position alone ([B, 1, V]), and
+        `logits_at` (long [B]) at one chosen position per row ([B, 1, V]; rows of
+        different lengths padded on the right), or (long [B, K]) at K positions per row
+        ([B, K, V]; a packed row's sequence ends). Logits are float32 whatever the model's dtype.
+        """
+        x = self.tok_emb(tokens)  # [B, T, d_model]
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)  # the scale itself rounded, as Gemma does
+        if self.proj_in is not None:
+            x = self.proj_in(x)
+        rope = local_rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        else:
+            rope = self.rope(positions, x.dtype)
+            local_rope = self.rope_local(positions, x.dtype) if self.rope_local is not None else rope
+        step = AttentionStep(positions, mask, packed)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, local_rope if block.local_rope else rope, layer, cache, step)
+        if last_only:
+            x = x[:, -1:]
+        elif logits_at is not None:
+            rows = torch.arange(len(x), device=x.device)
+            x = x[rows, logits_at][:, None] if logits_at.dim() == 1 else x[rows[:, None], logits_at]  # [B, K, d_model]
+        if self.norm_f is not None:
+            x = self.norm_f(x)
+        if self.proj_out is not None:
+            x = self.proj_out(x)
+        logits = self.lm_head(x).float()  # [B, T, vocab]
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def num_weight_bytes(self) -> int:
+        """Bytes of parameters read per decoded token (each shared matrix counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def causal_positions(batch: int, length: int, device=None) -> torch.Tensor:
+    """positions [batch, length] = 0..length-1 on every row: the unpadded, uncached case."""
+    return torch.arange(length, device=device).expand(batch, length)
+
+
+def init_weights(model: Transformer, std: float = 0.02, seed: int | None = None) -> Transformer:
+    """GPT-2-style random initialisation (tiny test models)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith("bias"):
+                p.zero_()
+    return model
+
+
+def describe(config: ModelConfig) -> str:
+    """One line naming the architecture and its size."""
+    n_params = (
+        config.vocab_size * config.d_model
+        + config.n_layer
+        * (
+            config.d_model * (config.n_head + 2 * config.kv_heads) * config.head_size
+            + config.n_head * config.head_size * config.d_model
+            + config.d_model * config.ff_size * (3 if config.mlp in ("swiglu", "geglu") else 2)
+        )
+    )
+    return (
+        f"{config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads "
+        f"({config.kv_heads} KV), {config.positions} positions, {config.norm}, {config.mlp}, "
+        f"~{n_params / 1e6:.0f}M parameters, context {config.block_size}"
+    )
+
+
+__all__ = ["ModelConfig", "Transformer", "causal_positions", "init_weights", "describe"]

@@ -1,0 +1,324 @@
+"""The continuous-batching engine: requests come and go while the model keeps stepping.
+
+    engine = Engine(model, tokenizer)
+    a = engine.add_request("The capital of France is", max_new_tokens=20)
+    b = engine.add_request("Once upon a time", do_sample=True, seed=1)
+    while engine.has_unfinished():
+        for event in engine.step():          # the same events `generate` yields; event.row is the request id
+            print(event.row, event.text, end="")
+    engine.output(a).text
+
+One `step()` is one forward of the model over a mixed batch:
+
+    scheduler      which requests feed tokens this step, and how many (`minillm.runtime.scheduler`)
+    pack           their new tokens back to back in one row, no padding (`PackedSequences`):
+                   a 300-token prompt chunk, then five decoding requests' one token each
+    forward        the model's one forward, keys written into a paged cache
+                   (`minillm.cache.paged`), attention reading each sequence's keys through its
+                   block table (`PagedAttention`)
+    sample         every request whose prompt is done draws its next token with its own
+                   settings and its own random stream (`minillm.decoding.sampling`)
+    events         new tokens, newly final text, finish reasons (`minillm.decoding.stopping`)
+
+A request's tokens depend only on its prompt, settings and seed, never on what else
+shares its forwards: the same logits processors and one uniform number per token from
+its own generator, as `generate` draws them. A request that the pool could never hold
+is refused when it is added, with the numbers that say why; a pool that fills up
+mid-run preempts (see `minillm.runtime.scheduler`) instead of failing.
+
+A request stops as `generate`'s rows do (EOS, stop strings, `max_new_tokens`), and also
+when it fills the model's context: the engine does not slide a window over it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.paged import BlockManager, PackedSequences, PagedAttention, PagedKVCache, blocks_for
+from ..decoding.outputs import (
+    GenerationEvent,
+    GenerationOutput,
+    GenerationStats,
+    RowOutput,
+    check_prompts,
+    encode_prompts,
+)
+from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows, row_configs
+from ..decoding.stopping import RowState
+from .scheduler import Scheduler
+
+
+@dataclass
+class Request:
+    """One request's whole life in the engine."""
+
+    id: int
+    prompt_ids: list[int]
+    config: SamplingConfig
+    state: RowState  # generated tokens, text, finish reason
+    generator: torch.Generator | None  # its own random stream (None when greedy)
+    history: TokenHistory | None  # what its penalties read (None without penalties)
+    tokens: list[int]  # prompt + generated: every token the sequence holds
+    computed: int = 0  # leading tokens whose keys are in the pool
+    preemptions: int = 0
+    arrival_time: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # when each generated token was produced
+    finish_time: float | None = None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.state.max_new_tokens
+
+    def output(self) -> RowOutput:
+        return RowOutput.from_state(self.state)
+
+
+@dataclass
+class StepRecord:
+    """What one step did: the workload benchmark's timeline and pool-occupancy plots read these."""
+
+    start: float  # perf_counter time the step began
+    seconds: float
+    requests: list[int]  # ids that fed tokens, in batch order
+    prefill_tokens: int  # prompt (or recomputed) tokens fed
+    decode_tokens: int  # one per decoding request
+    blocks_used: int  # blocks held by some request after the step
+    slots_filled: int  # slots of those blocks holding keys (a shared block counts once)
+    tokens_stored: int  # keys the running requests hold, each request counted alone
+    tokens_reserved: int  # what reserving each running request's maximum length contiguously would set aside
+    preempted: list[int]
+
+
+def kv_bytes_per_token(model) -> int:
+    """Keys and values one token occupies over all layers."""
+    c = model.config
+    return 2 * c.n_layer * c.kv_heads * c.head_size * model.tok_emb.weight.element_size()
+
+
+class Engine:
+    """Continuous batching over a paged KV cache; see the module docstring.
+
+    block_size: token slots per block. num_blocks: the pool's size; None sizes it to
+    `kv_cache_mb` megabytes. max_num_seqs: the most requests decoding together.
+    max_num_batched_tokens: the token budget of one forward (prefill chunks fill what the
+    decoders leave). hash_fn: the prefix cache's block hash; prefix_caching=False turns it off.
+    """
+
+    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_mb: float = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 hash_fn=hash, prefix_caching: bool = True):
+        if num_blocks is None:
+            num_blocks = int(kv_cache_mb * 2**20 // (kv_bytes_per_token(model) * block_size))
+        self.model, self.tokenizer = model, tokenizer
+        self.manager = BlockManager(num_blocks, block_size, hash_fn, prefix_caching)
+        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.requests: dict[int, Request] = {}
+        self.timeline: list[StepRecord] = []
+        self.forward_passes = 0
+        self._next_id = 0
+        self._pending: list[GenerationEvent] = []  # events owed before the next forward (requests with nothing to do)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt, config: SamplingConfig | None = None, *, arrival_time: float | None = None,
+                    **config_overrides) -> int:
+        """Queue a prompt (text or token ids) with its settings; returns the request's id.
+
+        Checked here, before any model work: the prompt, the settings, and that the pool
+        can hold the request at its longest (else it could never finish).
+        """
+        if hasattr(prompt, "__len__") and len(prompt) == 0:
+            raise ValueError("the prompt is empty: give it at least one token")
+        rows = encode_prompts(prompt, self.tokenizer)
+        if len(rows) != 1:
+            raise ValueError(f"add_request takes one prompt, got {len(rows)}: call it once per prompt")
+        (prompt_ids,) = rows
+        block = self.model.config.block_size
+        check_prompts([prompt_ids], block, self.model.config.vocab_size)
+        (config,) = row_configs(config, 1, config_overrides)
+        if config.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass Engine(model, tokenizer)")
+        max_new = min(config.max_new_tokens, block - len(prompt_ids))  # the context is the limit too
+        longest = len(prompt_ids) + max_new
+        if blocks_for(longest, self.manager.block_size) > self.manager.num_blocks:
+            raise ValueError(f"request of {len(prompt_ids)} prompt tokens + {max_new} new tokens needs "
+                             f"{blocks_for(longest, self.manager.block_size)} blocks of {self.manager.block_size}, "
+                             f"but the pool has {self.manager.num_blocks}: lower max_new_tokens or build a larger "
+                             f"pool (num_blocks / kv_cache_mb)")
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        state = RowState.for_config(prompt_ids, config.with_(max_new_tokens=max_new), self.tokenizer)
+        (generator,) = generators_for([config], self.model.device)
+        history = (TokenHistory.from_prompts([prompt_ids], self.model.config.vocab_size, self.model.device)
+                   if config.uses_penalties else None)
+        request = Request(request_id, list(prompt_ids), config, state, generator, history, list(prompt_ids),
+                          arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        self.requests[request_id] = request
+        if state.finished:  # max_new_tokens == 0: nothing to compute, one event to report it (as `generate` does)
+            request.finish_time = request.arrival_time
+            self._pending.append(GenerationEvent(request_id, [], "", state.finish_reason))
+        else:
+            self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id) -> None:
+        """Stop a request now and free its blocks (finish reason "abort"); the others go on."""
+        request = self._request(request_id)
+        if request.state.finished:
+            raise ValueError(f"request {request_id} already finished ({request.state.finish_reason}): "
+                             f"there is nothing to abort")
+        self.scheduler.remove(request)
+        request.state.finish_reason = "abort"
+        request.finish_time = time.perf_counter()
+
+    def output(self, request_id) -> RowOutput:
+        """The request's tokens and text so far (final once it has finished)."""
+        return self._request(request_id).output()
+
+    def release(self, request_id) -> RowOutput:
+        """Forget a finished request and return its output.
+
+        The engine keeps finished requests so that `output` can be read after the last
+        event; a long-running server releases each one once it has answered, or its
+        memory would grow with every request served.
+        """
+        request = self._request(request_id)
+        if not request.state.finished:
+            raise ValueError(f"request {request_id} is still running: abort it first, or release it once it "
+                             f"has finished")
+        del self.requests[request_id]
+        return request.output()
+
+    def has_unfinished(self) -> bool:
+        """Whether `step()` has anything left to do or report."""
+        return self.scheduler.has_unfinished or bool(self._pending)
+
+    def _request(self, request_id) -> Request:
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request {request_id!r}: add_request returns the ids this engine knows "
+                             f"({len(self.requests)} so far)")
+        return self.requests[request_id]
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def step(self) -> list[GenerationEvent]:
+        """Schedule, run one forward over the mixed batch, sample, and report what happened."""
+        start = time.perf_counter()
+        events, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if not plan.work:
+            return events
+        PagedAttention.install(self.model)  # idempotent: a backend swapped in since is wrapped again
+        requests = [r for r, _ in plan.work]
+        counts = [n for _, n in plan.work]
+        device = self.model.device
+        packed = PackedSequences.build([self.manager.block_table(r.id) for r in requests],
+                                       [r.computed for r in requests], counts, self.manager.block_size, device)
+        tokens = torch.tensor([t for r, n in plan.work for t in r.tokens[r.computed : r.computed + n]],
+                              device=device)  # [N]
+        decode_tokens = sum(1 for r, n in plan.work  # a generated token fed back; anything else is (re)prefill
+                            if len(r.tokens) > len(r.prompt_ids) and r.computed == len(r.tokens) - 1)
+        # A request whose tokens are all fed after this step has a next token to draw.
+        ready = [i for i, (r, n) in enumerate(plan.work) if r.computed + n == len(r.tokens)]
+        self.cache.begin_step(packed)
+        logits = self.model(tokens[None], packed.positions[None], cache=self.cache, packed=packed,
+                            logits_at=packed.last_tokens[ready][None])[0]  # [len(ready), V]
+        self.forward_passes += 1
+        for r, n in plan.work:
+            r.computed += n
+        if ready:
+            events += self._sample([requests[i] for i in ready], logits)
+        self._record(start, plan, decode_tokens)
+        return events
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[GenerationEvent]:
+        configs = [r.config for r in requests]
+        history = self._stacked_history(requests)
+        next_tokens = choose_rows(process_rows(logits, configs, history), configs, [r.generator for r in requests])
+        now = time.perf_counter()
+        events = []
+        for request, token in zip(requests, next_tokens.tolist()):
+            request.tokens.append(token)
+            request.token_times.append(now)
+            if request.history is not None:
+                request.history.add(torch.tensor([token], device=self.model.device))
+            request.state.push(token)
+            events.append(GenerationEvent(request.id, [token], request.state.new_text(), request.state.finish_reason))
+            if request.state.finished:
+                self.scheduler.remove(request)
+                request.finish_time = now
+        return events
+
+    def _stacked_history(self, requests: list[Request]) -> TokenHistory | None:
+        """The penalties' tables for this batch (rows without penalties read zeros they ignore)."""
+        if all(r.history is None for r in requests):
+            return None
+        V, device = self.model.config.vocab_size, self.model.device
+        empty = TokenHistory.from_prompts([[]], V, device)
+        rows = [r.history or empty for r in requests]
+        return TokenHistory(torch.cat([h.seen for h in rows]), torch.cat([h.generated_counts for h in rows]))
+
+    def _record(self, start: float, plan, decode_tokens: int) -> None:
+        running, m = self.scheduler.running, self.manager
+        blocks_used = m.num_blocks - m.num_free
+        # Only full blocks are shared, and they are full of keys: what is empty is each request's own.
+        empty = sum(len(m.block_table(r.id)) * m.block_size - r.computed for r in running)
+        self.timeline.append(StepRecord(
+            start=start, seconds=time.perf_counter() - start, requests=[r.id for r, _ in plan.work],
+            prefill_tokens=plan.num_tokens - decode_tokens, decode_tokens=decode_tokens,
+            blocks_used=blocks_used, slots_filled=blocks_used * m.block_size - empty,
+            tokens_stored=sum(r.computed for r in running),
+            tokens_reserved=sum(len(r.prompt_ids) + r.max_new_tokens for r in running),
+            preempted=[r.id for r in plan.preempted]))
+
+    # ------------------------------------------------------------------ summaries
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of the prompt tokens admitted (recomputations included) whose keys came from the prefix cache."""
+        m = self.manager
+        return m.prefix_hit_tokens / m.prompt_tokens if m.prompt_tokens else 0.0
+
+
+def generate_continuous(model, prompts, config=None, *, tokenizer=None, arrivals: list[int] | None = None,
+                        engine_options: dict | None = None, streamer=None, **config_overrides) -> GenerationOutput:
+    """Run every prompt through one `Engine` and return the rows in input order (`generate`'s output).
+
+    arrivals: the step at which each prompt is added (default: all at step 0), so a test or
+    a lesson can replay any arrival order; config: one for every prompt or one per prompt.
+    """
+    rows = encode_prompts(prompts, tokenizer)
+    configs = row_configs(config, len(rows), config_overrides)
+    arrivals = [0] * len(rows) if arrivals is None else list(arrivals)
+    if len(arrivals) != len(rows) or min(arrivals, default=0) < 0:
+        raise ValueError(f"arrivals: give one step number >= 0 per prompt ({len(rows)} prompts), got {arrivals}")
+    engine = Engine(model, tokenizer, **(engine_options or {}))
+    ids: dict[int, int] = {}  # request id -> prompt index
+    order = sorted(range(len(rows)), key=lambda i: arrivals[i])
+    step, start = 0, time.perf_counter()
+    while order or engine.has_unfinished():
+        while order and arrivals[order[0]] <= step:
+            i = order.pop(0)
+            ids[engine.add_request(rows[i], configs[i])] = i
+        for event in engine.step():
+            if streamer is not None and event.text:
+                streamer.put(ids[event.row], event.text)
+        step += 1
+    if streamer is not None:
+        streamer.end()
+    outputs = [None] * len(rows)
+    for request_id, i in ids.items():
+        outputs[i] = engine.output(request_id)
+    stats = GenerationStats(prompt_tokens=sum(map(len, rows)), forward_passes=engine.forward_passes,
+                            decode_tokens=sum(max(len(o.token_ids) - 1, 0) for o in outputs),
+                            decode_seconds=time.perf_counter() - start)
+    stats.extra.update(prefix_hit_rate=engine.prefix_hit_rate,
+                       preemptions=sum(r.preemptions for r in engine.requests.values()))
+    return GenerationOutput(outputs, stats)
+
+
+__all__ = ["Engine", "Request", "StepRecord", "generate_continuous", "kv_bytes_per_token"]

@@ -1,0 +1,199 @@
+"""The engine on its own thread, fed by asyncio: what lets one engine serve many HTTP clients.
+
+`Engine.step()` is a blocking forward of the model. An HTTP server is an asyncio event
+loop that must keep accepting connections and writing streamed chunks while the model
+computes, so the engine runs on a thread of its own, and only that thread ever touches
+it (the engine is not thread-safe, and needs not be):
+
+    handler (event loop)                     engine thread
+    ids, events = await submit(prompts) ──►  add_request() between two steps
+    async for event in events               step(), step(), ...: each event is put on
+        ... write a chunk ...          ◄──    the queue of the request it belongs to
+    abort(ids) (client went away)      ──►  abort() + release(): its blocks are free
+
+Commands (add, abort) wait in a queue and run between two steps, so a new request
+joins the batch at the next step: the continuous in continuous batching. A finished
+request is released from the engine as soon as its last event is handed over, so a
+server that runs for days holds only the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from ..decoding.outputs import GenerationEvent
+from ..runtime.engine import Engine
+
+log = logging.getLogger("minillm.serving.server")
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the server admits: the client should retry later."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while stepping: every request in flight ends with this error."""
+
+
+@dataclass
+class Submitted:
+    """What `submit` hands back: the engine's request ids and one event queue for all."""
+
+    ids: list[int]
+    events: asyncio.Queue  # GenerationEvent (event.row is the request id) or an EngineFailed
+
+
+class AsyncEngine:
+    """Runs `engine` on a background thread; `submit` and `abort` may be called from any event loop.
+
+    max_waiting: how many requests may wait for a place in the batch; `submit` raises
+    `QueueFull` beyond that (the server answers 503 with Retry-After), so a burst cannot
+    pile up unbounded work and memory.
+    """
+
+    def __init__(self, engine: Engine, max_waiting: int = 64):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting={max_waiting} is invalid: must be >= 0")
+        self.engine, self.max_waiting = engine, max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # request id -> its queue
+        self._stopping = False
+        self.aborted = 0  # requests stopped before they finished (clients gone, time limits)
+        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Finish the current step, then end the thread (requests still in flight are dropped)."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+
+    # ------------------------------------------------------------------ called from the event loop
+
+    async def submit(self, prompts: list, configs: list) -> Submitted:
+        """Add one request per (prompt, config); all or none are added.
+
+        Raises what `Engine.add_request` raises for a bad prompt or setting (ValueError),
+        or QueueFull.
+        """
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        return await self._call(lambda: self._add(prompts, configs, loop, events))
+
+    async def call(self, fn):
+        """Run `fn(engine)` on the engine thread between two steps and return its result (for reading counters)."""
+        return await self._call(lambda: fn(self.engine))
+
+    def abort(self, ids) -> None:
+        """Stop these requests and free their blocks; ids that already finished are skipped.
+
+        Does not wait: it is called from `finally` blocks while a handler is being
+        cancelled (a client disconnected), where nothing may be awaited.
+        """
+        ids = list(ids)
+        self._post(lambda: self._abort(ids), None)
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _call(self, fn) -> asyncio.Future:
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(fn, result)
+        return asyncio.wrap_future(result)
+
+    def _post(self, fn, result) -> None:
+        self._commands.put((fn, result))
+        self._wake.set()
+
+    def _add(self, prompts, configs, loop, events) -> Submitted:
+        waiting = len(self.engine.scheduler.waiting)
+        if waiting + len(prompts) > self.max_waiting:
+            raise QueueFull(f"{waiting} requests are already waiting (the limit is {self.max_waiting}): "
+                            f"retry in a moment")
+        ids = []
+        try:
+            for prompt, config in zip(prompts, configs):
+                ids.append(self.engine.add_request(prompt, config))
+        except Exception:
+            self._abort(ids)
+            raise
+        for request_id in ids:
+            self._routes[request_id] = (loop, events)
+        return Submitted(ids, events)
+
+    def _abort(self, ids) -> None:
+        for request_id in ids:
+            request = self.engine.requests.get(request_id)
+            if request is None:  # finished and released already
+                continue
+            if not request.state.finished:
+                self.engine.abort(request_id)
+                self.aborted += 1
+            self.engine.release(request_id)
+            self._routes.pop(request_id, None)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._run_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as error:  # a bug, not a bad request: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                self._fail_all(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
+                continue
+            for event in events:
+                self._deliver(event)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, result = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                value = fn()
+            except Exception as error:
+                if result is None:
+                    log.exception("engine command failed")
+                else:
+                    result.set_exception(error)
+            else:
+                if result is not None:
+                    result.set_result(value)
+
+    def _deliver(self, event: GenerationEvent) -> None:
+        route = self._routes.get(event.row)
+        if route is None:  # aborted in this step's commands
+            return
+        if event.finish_reason is not None:
+            self.engine.release(event.row)
+            del self._routes[event.row]
+        hand_over(route, event)
+
+    def _fail_all(self, error: EngineFailed) -> None:
+        for route in self._routes.values():
+            hand_over(route, error)
+        self._abort(list(self._routes))
+
+
+def hand_over(route: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:
+    """Put `item` on a queue owned by another thread's event loop (a loop that has closed gets nothing)."""
+    loop, events = route
+    try:
+        loop.call_soon_threadsafe(events.put_nowait, item)
+    except RuntimeError:  # the loop is closed: its handler is gone, and nobody is waiting
+        pass
+
+
+__all__ = ["AsyncEngine", "EngineFailed", "QueueFull", "Submitted"]

@@ -1,0 +1,241 @@
+"""OpenAI's HTTP API as data: request bodies in, minillm settings out, response bodies back.
+
+Nothing here touches the network or the engine, so every mapping is checkable on its
+own. The server (`minillm.serving.server`) glues it to the engine.
+
+Requests. Bodies are read with pydantic (types), then minillm's own checks (ranges):
+`SamplingConfig` names the bad field, and the name is translated back to OpenAI's
+(`max_new_tokens` -> `max_tokens`), so a client is told about the parameter it sent.
+
+    OpenAI                          minillm (transformers' names)
+    max_tokens / max_completion_tokens   max_new_tokens
+    temperature (default 1)         do_sample=True, temperature (0 = greedy)
+    top_p, seed, stop               top_p, seed, stop
+    presence_penalty, frequency_penalty  the same (OpenAI's definitions, lesson 04)
+    top_k, min_p, repetition_penalty     extras, as vLLM accepts them
+    ignore_eos                      extra: eos_token_id=() (exact lengths, for load tests)
+    n                               n requests; choice i samples with seed + i
+
+OpenAI samples by default (temperature 1); send `temperature: 0` for greedy decoding.
+
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with a
+4xx status for anything the client can fix.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..decoding.sampling import SamplingConfig
+from ..decoding.settings import SamplingError
+
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # minillm field -> the parameter the client sent
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # minillm -> OpenAI
+MAX_CHOICES = 16  # n above this is refused: one request must not fill the batch alone
+
+
+class APIError(Exception):
+    """An error response: HTTP status, OpenAI's error type, the offending parameter, a message naming the fix."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------- request bodies
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingParameters(BaseModel):
+    """What completions and chat share. Unknown fields are ignored, as vLLM does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the one model this server holds
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None  # extras: not in OpenAI's API
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False  # an extra (vLLM's too): exact output lengths for benchmarks
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingParameters):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingParameters):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = None  # None: up to the context length
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def refuse_unsupported(body: SamplingParameters) -> None:
+    """Parameters minillm does not implement: refused by name, never silently ignored."""
+    unsupported = {
+        "logprobs": bool(getattr(body, "logprobs", None)),
+        "echo": getattr(body, "echo", False),
+        "best_of": getattr(body, "best_of", None) not in (None, 1),
+        "suffix": getattr(body, "suffix", None) is not None,
+        "logit_bias": bool(body.logit_bias),
+        "tools": bool(getattr(body, "tools", None)),
+        "response_format": getattr(body, "response_format", None) not in (None, {"type": "text"}),
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise APIError(400, f"{name} is not supported by this server: remove it from the request", param=name)
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(400, f"n={body.n} is invalid: must be between 1 and {MAX_CHOICES}", param="n")
+
+
+def chat_prompt(messages: list[Message], tokenizer) -> str:
+    """The conversation through the model's chat template, ending where the assistant's reply begins."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "this model has no chat template: use /v1/completions with a plain prompt",
+                       param="messages")
+    # OpenAI's "developer" role is the system role of older models and of every chat template here.
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+
+
+def completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) -> token ids per prompt."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt is empty: give at least one prompt", param="prompt")
+    return [p if isinstance(p, list) else tokenizer.encode(p) for p in prompts]
+
+
+def max_new_tokens(body: SamplingParameters, prompt_tokens: int, max_model_len: int) -> int:
+    """The request's token budget, or a 400 when prompt and answer cannot fit the context (as OpenAI does)."""
+    if prompt_tokens == 0:
+        raise APIError(400, "the prompt is empty: give it at least one token", param="prompt")
+    if prompt_tokens >= max_model_len:
+        raise APIError(400, f"the prompt has {prompt_tokens} tokens, but this model's maximum context length is "
+                            f"{max_model_len} tokens: shorten the prompt", code="context_length_exceeded")
+    requested = body.requested_max_tokens()
+    if requested is None:
+        return max_model_len - prompt_tokens
+    if requested < 0:
+        raise APIError(400, f"max_tokens={requested} is invalid: must be >= 0", param="max_tokens")
+    if prompt_tokens + requested > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but {prompt_tokens} "
+                            f"prompt tokens + max_tokens={requested} were requested: lower max_tokens or shorten the "
+                            f"prompt", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def sampling_config(body: SamplingParameters, max_new: int, choice: int = 0) -> SamplingConfig:
+    """minillm's settings for one choice of the request (see the module docstring for the mapping)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    given = {"top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+             "repetition_penalty": body.repetition_penalty, "presence_penalty": body.presence_penalty,
+             "frequency_penalty": body.frequency_penalty}
+    try:
+        return SamplingConfig(max_new_tokens=max_new, stop=body.stop or (), eos_token_id=() if body.ignore_eos else None,
+                              do_sample=True, temperature=temperature,
+                              seed=None if body.seed is None else body.seed + choice,
+                              **{name: value for name, value in given.items() if value is not None})
+    except SamplingError as e:
+        name = OPENAI_NAMES.get(e.field, e.field)
+        raise APIError(400, f"{name}={e.value!r} is invalid: must be {e.allowed}", param=name) from None
+
+
+# ---------------------------------------------------------------------------------------------- response bodies
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason(minillm_reason: str | None) -> str | None:
+    return None if minillm_reason is None else FINISH_REASONS.get(minillm_reason, "length")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+
+
+def chat_choice(index: int, text: str, reason: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason(reason)}
+
+
+def chat_delta(index: int, delta: dict, reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
+
+
+def envelope(kind: str, response_id: str, model: str, choices: list, usage_counts: dict | None = None) -> dict:
+    """A whole response or one streamed chunk; kind is OpenAI's `object` field."""
+    body = {"id": response_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+    if usage_counts is not None:
+        body["usage"] = usage_counts
+    return body
+
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "Message", "chat_choice", "chat_delta",
+           "chat_prompt", "completion_choice", "completion_prompts", "envelope", "finish_reason", "max_new_tokens",
+           "new_id", "refuse_unsupported", "sampling_config", "usage"]

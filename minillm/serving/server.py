@@ -1,0 +1,525 @@
+"""`python -m minillm.serve`: the continuous-batching engine behind OpenAI's HTTP API.
+
+    python -m minillm.serve --model default --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "default", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+Any OpenAI client works unchanged (`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`):
+
+    POST /v1/completions        text in, text out (prompt: text, texts, or token ids)
+    POST /v1/chat/completions   messages through the model's chat template
+    GET  /v1/models             the one model served
+    GET  /health                200 while the server answers
+    GET  /stats                 the engine's counters: requests, blocks, forwards (not OpenAI's)
+
+Streaming is server-sent events: `data: {json}` chunks as tokens become final text, a
+usage chunk when `stream_options.include_usage` asks for it, then `data: [DONE]`.
+
+What keeps one bad client from hurting the others: every request body is checked
+before any model work, and a bad one is answered with OpenAI's JSON error and a 4xx
+status (never a traceback); bodies over `--max-body-mb` are refused unread; at most
+`--max-waiting` requests queue for a place in the batch, beyond that the answer is
+503 with Retry-After; a request running longer than `--request-timeout` ends as if
+it had hit max_tokens; a client that disconnects has its request aborted and its KV
+blocks freed at once. The server binds to 127.0.0.1 unless told otherwise: it has no
+authentication, so exposing it is a decision to make on purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..base.commands import OneLineParser, run_command
+from ..decoding.outputs import GenerationEvent
+from ..runtime.engine import Engine, kv_bytes_per_token
+from .async_engine import AsyncEngine, EngineFailed, QueueFull, Submitted
+from .openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingParameters,
+    chat_choice,
+    chat_delta,
+    chat_prompt,
+    completion_choice,
+    completion_prompts,
+    envelope,
+    max_new_tokens,
+    new_id,
+    refuse_unsupported,
+    sampling_config,
+    usage,
+)
+
+ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /stats"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before the app reads any of it.
+
+    Counting the bytes as they arrive (not trusting Content-Length) also bounds chunked
+    uploads, which declare no length.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                error = APIError(413, f"the request body is over {self.max_bytes} bytes: send a shorter prompt "
+                                      f"(or start the server with a larger --max-body-mb)")
+                return await api_response(error)(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect message, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class Choices:
+    """One HTTP request's engine requests (n choices per prompt), as OpenAI's choice indices.
+
+    prompt_tokens counts each prompt once, however many choices share it, as OpenAI's usage does.
+    """
+
+    def __init__(self, submitted: Submitted, prompt_tokens: int):
+        self.submitted, self.prompt_tokens = submitted, prompt_tokens
+        self.index = {request_id: i for i, request_id in enumerate(submitted.ids)}
+        self.texts = [""] * len(submitted.ids)
+        self.reasons: list[str | None] = [None] * len(submitted.ids)
+        self.completion_tokens = 0
+
+    def record(self, event: GenerationEvent) -> int:
+        i = self.index[event.row]
+        self.texts[i] += event.text
+        self.reasons[i] = event.finish_reason
+        self.completion_tokens += len(event.token_ids)
+        return i
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+
+class OpenAIServer:
+    """The routes' logic; `create_app` wires it to FastAPI."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int, request_timeout: float):
+        self.engine, self.model_name = engine, model_name
+        self.max_model_len, self.request_timeout = max_model_len, request_timeout
+
+    async def submit(self, body: SamplingParameters, prompts: list[list[int]]) -> Choices:
+        """Check everything, then add one engine request per (prompt, choice): all of them or none."""
+        if body.model is not None:
+            check_model_name(body.model, self.model_name)
+        refuse_unsupported(body)
+        flat, configs = [], []
+        for prompt in prompts:
+            budget = max_new_tokens(body, len(prompt), self.max_model_len)
+            for choice in range(body.n):
+                flat.append(prompt)
+                configs.append(sampling_config(body, budget, choice))
+        try:
+            return Choices(await self.engine.submit(flat, configs), sum(map(len, prompts)))
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy: {e}", type="server_overloaded",
+                           headers={"Retry-After": "1"}) from None
+        except ValueError as e:  # the engine's own checks: token ids outside the vocabulary, a pool too small
+            raise APIError(400, " ".join(str(e).split())) from None
+
+    async def events(self, choices: Choices, request: Request):
+        """(choice index, event) until every choice has finished; ends overdue choices with "length".
+
+        The caller aborts `choices.submitted.ids` in a `finally` (a no-op for finished ones),
+        which is what frees the blocks of a client that went away.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout
+        left = set(choices.submitted.ids)
+        while left:
+            remaining = deadline - loop.time()
+            if remaining <= 0:  # the time limit: end what is left as max_tokens would
+                self.engine.abort(left)
+                for request_id in sorted(left):
+                    event = GenerationEvent(request_id, [], "", "length")
+                    yield choices.record(event), event
+                return
+            try:
+                item = await asyncio.wait_for(choices.submitted.events.get(), min(remaining, 1.0))
+            except TimeoutError:
+                if await request.is_disconnected():  # nobody streams to it: a non-streaming client left
+                    return
+                continue
+            if isinstance(item, EngineFailed):
+                raise APIError(500, str(item), type="server_error")
+            if item.finish_reason is not None:
+                left.discard(item.row)
+            yield choices.record(item), item
+
+    async def complete(self, body, prompts: list[list[int]], request: Request, kind: str):
+        """The non-streaming answer, or a StreamingResponse; kind is "text_completion" or "chat.completion"."""
+        choices = await self.submit(body, prompts)
+        response_id = new_id("cmpl" if kind == "text_completion" else "chatcmpl")
+        if body.stream:
+            chunks = (self.completion_chunks if kind == "text_completion" else self.chat_chunks)(
+                body, choices, request, response_id)
+            return StreamingResponse(sse(chunks, lambda: self.engine.abort(choices.submitted.ids)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            async for _ in self.events(choices, request):
+                pass
+        finally:
+            self.engine.abort(choices.submitted.ids)
+        make_choice = completion_choice if kind == "text_completion" else chat_choice
+        return envelope(kind, response_id, self.model_name,
+                        [make_choice(i, text, reason) for i, (text, reason)
+                         in enumerate(zip(choices.texts, choices.reasons))], choices.usage())
+
+    async def completion_chunks(self, body, choices: Choices, request: Request, response_id: str):
+        async for i, event in self.events(choices, request):
+            if event.text or event.finish_reason:
+                yield envelope("text_completion", response_id, self.model_name,
+                               [completion_choice(i, event.text, event.finish_reason)])
+        if body.include_usage():
+            yield envelope("text_completion", response_id, self.model_name, [], choices.usage())
+
+    async def chat_chunks(self, body, choices: Choices, request: Request, response_id: str):
+        kind = "chat.completion.chunk"
+        for i in range(len(choices.texts)):
+            yield envelope(kind, response_id, self.model_name, [chat_delta(i, {"role": "assistant", "content": ""})])
+        async for i, event in self.events(choices, request):
+            if event.text:
+                yield envelope(kind, response_id, self.model_name, [chat_delta(i, {"content": event.text})])
+            if event.finish_reason:
+                yield envelope(kind, response_id, self.model_name, [chat_delta(i, {}, event.finish_reason)])
+        if body.include_usage():
+            yield envelope(kind, response_id, self.model_name, [], choices.usage())
+
+
+async def sse(chunks, on_close):
+    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`; an error after the
+    200 status went out becomes a last `data: {"error": ...}` chunk. `on_close()` runs however
+    the stream ends, a client's disconnect (this generator cancelled) included."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except APIError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    finally:
+        on_close()
+    yield "data: [DONE]\n\n"
+
+
+def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int,
+               request_timeout: float = 600.0, max_body_bytes: int = 2**20) -> FastAPI:
+    """The FastAPI app serving `engine` (already started) under OpenAI's routes."""
+    server = OpenAIServer(engine, model_name, max_model_len, request_timeout)
+    app = FastAPI(title="minillm", summary="An OpenAI-compatible server over minillm's continuous-batching engine",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return api_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        return api_response(validation_error(error))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        if error.status_code == 404:
+            message = f"no route {request.url.path}: this server answers {ROUTES}"
+        elif error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}: see the OpenAI API reference"
+        else:
+            message = str(error.detail)
+        return api_response(APIError(error.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception):  # a bug: say so in JSON, keep serving
+        return api_response(APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error"))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = completion_prompts(body.prompt, tokenizer)
+        return await server.complete(body, prompts, request, "text_completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prompt = chat_prompt(body.messages, tokenizer)
+        return await server.complete(body, [tokenizer.encode(prompt)], request, "chat.completion")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(model_name, created, max_model_len)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model_name(name, model_name)
+        return model_card(model_name, created, max_model_len)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats():
+        return {**await engine.call(engine_stats), "requests_aborted": engine.aborted}
+
+    return app
+
+
+def check_model_name(asked: str, served: str) -> None:
+    if asked != served:
+        raise APIError(404, f"model {asked!r} does not exist: this server serves {served!r} (GET /v1/models lists it)",
+                       param="model", code="model_not_found")
+
+
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "minillm", "max_model_len": max_model_len}
+
+
+def engine_stats(engine: Engine) -> dict:
+    """What the soak test reads to prove nothing leaked: requests held and free blocks."""
+    m = engine.manager
+    return {"requests_running": len(engine.scheduler.running), "requests_waiting": len(engine.scheduler.waiting),
+            "requests_held": len(engine.requests), "blocks_total": m.num_blocks, "blocks_free": m.num_free,
+            "forward_passes": engine.forward_passes, "prefix_hit_rate": engine.prefix_hit_rate}
+
+
+def validation_error(error: RequestValidationError) -> APIError:
+    """pydantic's first complaint as one line: which field, what was wrong."""
+    first = error.errors()[0]
+    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}): "
+                             f"send a JSON object")
+    if not where:
+        return APIError(400, f"the body must be a JSON object: {first.get('msg')}")
+    return APIError(400, f"{'.'.join(where)}: {first.get('msg')}", param=where[0])
+
+
+def api_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+def build_server(model, tokenizer, *, model_name: str, max_model_len: int | None = None, max_waiting: int = 64,
+                 request_timeout: float = 600.0, max_body_bytes: int = 2**20,
+                 **engine_options) -> tuple[AsyncEngine, FastAPI, int]:
+    """The engine, its thread (not started yet) and the app serving it; returns them and the context limit.
+
+    engine_options go to `Engine` (max_num_seqs, kv_cache_mb, ...). Refuses, in one line, a
+    model the engine cannot serve.
+    """
+    if tokenizer is None:
+        raise ValueError(f"model {model_name!r} ships no tokenizer (tokenizer.json): a server needs one")
+    if model.config.sliding_window is not None:
+        raise ValueError(f"model {model_name!r} has sliding-window attention layers, which the paged engine does "
+                         f"not support yet: serve a Llama-, Qwen2- or GPT-2-style model")
+    engine = Engine(model, tokenizer, **engine_options)
+    limit = context_limit(model, engine, max_model_len)
+    runner = AsyncEngine(engine, max_waiting)
+    app = create_app(runner, tokenizer, model_name=model_name, max_model_len=limit,
+                     request_timeout=request_timeout, max_body_bytes=max_body_bytes)
+    return runner, app, limit
+
+
+class BackgroundServer:
+    """A server on a thread of this process, on a free port: what notebooks and tests start.
+
+        with BackgroundServer(model, tokenizer) as server:
+            client = OpenAI(base_url=server.base_url, api_key="unused")
+            ...
+        # on exit: the HTTP server and the engine thread have stopped
+
+    server_options go to `build_server` (max_model_len, max_waiting, request_timeout, ...,
+    and the `Engine`'s own: max_num_seqs, kv_cache_mb, ...).
+    """
+
+    def __init__(self, model, tokenizer, *, model_name: str = "default", host: str = "127.0.0.1", port: int = 0,
+                 **server_options):
+        self.runner, self.app, self.max_model_len = build_server(model, tokenizer, model_name=model_name,
+                                                                 **server_options)
+        self.engine = self.runner.engine
+        self.host, self.port = host, port
+
+    def __enter__(self) -> "BackgroundServer":
+        import threading
+
+        import uvicorn
+
+        sock = bind(self.host, self.port)
+        self.url = "http://{}:{}".format(*sock.getsockname()[:2])
+        self.base_url = self.url + "/v1"
+        self.runner.start()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the server on {self.url} stopped while starting")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+        self.runner.stop()
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+
+EPILOG = """examples:
+  python -m minillm.serve                                  # the default model on http://127.0.0.1:8000/v1
+  python -m minillm.serve --port 8001 --max-num-seqs 32 --kv-cache-mb 512
+  python -m minillm.serve --model ./my-llama-folder --served-model-name my-llama
+
+then, from any OpenAI client:
+  from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+  client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}])
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m minillm.serve", epilog=EPILOG,
+                      description="Serve a minillm model over OpenAI's HTTP API (completions, chat, streaming).",
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", metavar="NAME_OR_PATH",
+                   help="the model to serve: 'default' (SmolLM2-135M-Instruct), another name `python -m minillm.infer` "
+                        "accepts, or a local folder or GGUF file")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the name clients put in the request's 'model' field (default: the --model value)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 exposes the server, which has "
+                        "no authentication, to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda' (or 'cuda:N')")
+    p.add_argument("--dtype", default="float32", help="weights and activations: float32 (default), bfloat16, float16")
+    e = p.add_argument_group("engine (lesson 12)")
+    e.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
+                   help="most requests decoding together in one batch (default 16)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+                   help="token budget of one forward; longer prompts are prefilled in chunks (default 512)")
+    e.add_argument("--kv-cache-mb", type=float, default=256, metavar="MB",
+                   help="size of the paged KV cache pool in megabytes (default 256)")
+    e.add_argument("--block-size", type=int, default=16, metavar="N", help="token slots per KV block (default 16)")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the keys of prompt prefixes that earlier requests computed")
+    e.add_argument("--max-model-len", type=int, metavar="N",
+                   help="longest prompt + answer in tokens (default: the model's context, or what the KV pool holds "
+                        "if less)")
+    r = p.add_argument_group("limits")
+    r.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests that may queue for a place in the batch; beyond that the answer is 503 with "
+                        "Retry-After (default 64)")
+    r.add_argument("--request-timeout", type=float, default=600, metavar="SECONDS",
+                   help="a request running longer ends with finish_reason 'length' (default 600)")
+    r.add_argument("--max-body-mb", type=float, default=1, metavar="MB",
+                   help="larger request bodies are refused with 413 (default 1)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's logging; 'info' logs every request (default warning)")
+    return p
+
+
+def check_args(args) -> None:
+    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        value = getattr(args, name)
+        if value < (0 if name == "port" else 1) or (name == "port" and value > 65535):
+            raise ValueError(f"--{name.replace('_', '-')} {value} is invalid: must be "
+                             f"{'in 0..65535' if name == 'port' else '>= 1'}")
+    for name in ("kv_cache_mb", "request_timeout", "max_body_mb"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: must be > 0")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting {args.max_waiting} is invalid: must be >= 0")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len {args.max_model_len} is invalid: must be >= 2")
+
+
+def context_limit(model, engine: Engine, requested: int | None) -> int:
+    """--max-model-len checked against the model's context and the pool (one request at its longest must fit)."""
+    context, pool = model.config.block_size, engine.manager.capacity
+    if requested is None:
+        return min(context, pool)
+    if requested > context:
+        raise ValueError(f"--max-model-len {requested} is over the model's context of {context} tokens: lower it")
+    if requested > pool:
+        needed = requested * kv_bytes_per_token(model) / 2**20
+        raise ValueError(f"--max-model-len {requested} does not fit the KV pool ({pool} tokens): raise --kv-cache-mb "
+                         f"to at least {needed:.0f} or lower --max-model-len")
+    return requested
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so a taken port fails in a second, in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # listening holds the port: another server cannot bind it meanwhile
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): is another server running there? "
+                         f"Pick another --port") from None
+    return sock
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from ..speed.load import load_model
+
+    check_args(args)
+    sock = bind(args.host, args.port)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    name = args.served_model_name or args.model
+    runner, app, max_model_len = build_server(
+        model, tokenizer, model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout, max_body_bytes=int(args.max_body_mb * 2**20),
+        block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching)
+    runner.start()
+    host, port = sock.getsockname()[:2]
+    print(f"minillm: serving {name!r} on http://{host}:{port}/v1 (max {max_model_len} tokens per request, "
+          f"{args.max_num_seqs} at once; Ctrl-C stops)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=1))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        runner.stop()
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser(), run, argv)
+

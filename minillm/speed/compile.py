@@ -1,0 +1,336 @@
+"""Graph compilation: the model's forward as a few fixed-shape graphs (lesson 15).
+
+At batch 1 a decode step reads every weight once, so its floor is memory bandwidth.
+Two things keep an eager decoder far from it. Each of some twenty small ops per
+block (norms, RoPE, reshapes, the cache write, the mask, SDPA, the gated MLP) is a
+separate Python call and kernel launch over tiny tensors. And each matmul is one
+activation row times a weight matrix, a shape general GEMM libraries are not built
+for: they stream the weight well below the memory bandwidth. `torch.compile` traces
+the forward into one graph; Inductor fuses the elementwise ops into a few generated
+C++ loops and, autotuning (`inductor_settings`), replaces the library matmuls with
+kernels generated for each weight's exact shape wherever those time faster.
+
+A graph is only reusable while the shapes it was traced with stay the same. A
+growing cache changes the key length every step, which would mean a new graph per
+token. So the compiled forward runs over a *fixed-shape* static cache
+(`StaticCache(fixed_shape=True)`): attention always sees all `max_len` columns and
+the mask hides the ones not written yet. The cache write happens inside the graph
+too, at column indices given as a tensor (`ColumnWrites`), so no Python integer
+that changes per step reaches the graph. Three graphs cover everything:
+
+    decode        T = 1 token per row                          (one per batch size and cache length)
+    prefill chunk T = `chunk` tokens, logits at one per row    (prompts cut into chunks, the last padded)
+    verify chunk  T = `chunk` tokens, logits at all of them    (speculative verification, trees)
+
+so neither a new decode step nor a new prompt length compiles anything again
+(`CompiledModel.graphs` counts compilations; the lesson's test checks it stays put).
+
+`compile_model(model)` returns a `CompiledModel` that answers the model's own call,
+`compiled(tokens, positions, cache=..., mask=...)`; the original model is the off
+switch and stays untouched (the compiled one works on its own plain copy, so
+Inductor may pack its weights for its own matmul kernels). `generate(...,
+compile=True)` uses one cached per model.
+
+`graph_forward` is the pure function both this module and the ONNX export
+(`minillm.speed.export`) trace: tokens, positions and the past keys/values in, logits and
+the updated keys/values out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+from ..cache.kv_cache import StaticCache
+from ..model.attention import set_attention_backend
+from ..model.transformer import RopeTable
+from .attention_kernels import make_backend
+from .onednn import use_plain_linear
+
+
+class FixedRope:
+    """RoPE's cos/sin lookup over a table of fixed size, built once.
+
+    `RopeTable` grows on demand, which needs the largest position as a Python number
+    (`int(positions.max())`): a graph cannot branch on a value it computes, so the
+    traced forward uses this lookup, whose table already covers the model's context.
+    Every entry equals `RopeTable`'s (the same `build`).
+    """
+
+    def __init__(self, table: RopeTable, size: int, dtype: torch.dtype, device):
+        self.size = size
+        self.cos, self.sin = table.build(size, dtype, device, long=False)  # [size, head_dim] each
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [B, T] -> cos, sin [B, T, 1, head_dim], like RopeTable."""
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+
+def graph_ready_copy(model):
+    """A copy of `model` that traces as one graph: plain nn.Linear, fixed RoPE tables.
+
+    The oneDNN swap (`minillm.speed.onednn`) keeps a packed weight behind a Python-side
+    check that a tracer cannot follow; a compiler packs weights for its own kernels.
+    Models whose RoPE switches tables with the length (long-RoPE) are refused: the
+    switch depends on a value inside the graph.
+    """
+    config = model.config
+    if config.rope_long_factor is not None:
+        raise ValueError("long-RoPE models (Phi-3 with rope_long_factor) pick their RoPE table by the largest "
+                         "position, which a fixed graph cannot do: run this model without compile/export")
+    graph_model = use_plain_linear(copy.deepcopy(model))
+    if graph_model.rope is not None:
+        graph_model.rope = FixedRope(graph_model.rope, config.block_size, model.dtype, model.device)
+    if graph_model.rope_local is not None:
+        graph_model.rope_local = FixedRope(graph_model.rope_local, config.block_size, model.dtype, model.device)
+    return graph_model
+
+
+class ColumnWrites:
+    """The KV cache a traced forward sees: per-layer storage [B, KV, S, hd], new columns written at `columns`.
+
+    columns: long [B, T], where each row's T new keys go. `in_place=True` writes into
+    the storage (a compiled step over a StaticCache); False builds new tensors (an
+    exported graph returns its updated keys and values as outputs).
+    """
+
+    def __init__(self, keys, values, columns: torch.Tensor, in_place: bool):
+        self.keys, self.values = list(keys), list(values)
+        self.columns, self.in_place = columns, in_place
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        if self.in_place:
+            # An indexed assignment (index_put_), which Inductor writes in place: the columns and nothing
+            # else. A scatter_ on a graph input is compiled as copy out, scatter, copy back, every column.
+            rows = torch.arange(k_new.shape[0], device=k_new.device)[:, None]  # [B, 1]
+            for store, new in ((self.keys, k_new), (self.values, v_new)):
+                store[layer][rows, :, self.columns] = new.transpose(1, 2)  # indexed as [B, T, KV, hd]
+        else:
+            index = self.columns[:, None, :, None].expand_as(k_new)  # [B, KV, T, hd]
+            for store, new in ((self.keys, k_new), (self.values, v_new)):
+                store[layer] = store[layer].scatter(2, index, new)
+        return self.keys[layer], self.values[layer]
+
+
+def graph_forward(model, tokens, positions, columns, mask, logits_at, keys, values, in_place: bool):
+    """One forward over a fixed-shape cache: logits [B, K, V] and the keys and values after the write.
+
+    tokens, positions, columns: long [B, T]; mask: bool [B, T, S]; logits_at: long [B, K]
+    (positions within the T tokens) or None for all; keys, values: per-layer [B, KV, S, hd].
+    """
+    cache = ColumnWrites(keys, values, columns, in_place)
+    logits = model(tokens, positions, cache=cache, mask=mask, logits_at=logits_at)
+    return logits, cache.keys, cache.values
+
+
+class CacheStep(nn.Module):
+    """The compiled unit: one forward that writes its keys and values into the cache storage in place.
+
+    A module, so that the compiler sees the weights as the module's parameters and
+    can freeze them into constants (and prepack them for its matmuls).
+    """
+
+    def __init__(self, graph_model):
+        super().__init__()
+        self.model = graph_model
+
+    def forward(self, tokens, positions, columns, mask, logits_at, keys, values):
+        """keys, values: each layer's cache storage [B, KV, S, hd], written in place; returns logits [B, K, V]."""
+        return graph_forward(self.model, tokens, positions, columns, mask, logits_at, keys, values, True)[0]
+
+
+class CompiledModel:
+    """`model`'s call, run as compiled graphs whenever the cache is a fixed-shape StaticCache.
+
+    Without a cache there is nothing to keep fixed and the eager model answers. A
+    forward whose padded chunk would not fit the cache also runs eagerly (counted in
+    `eager_calls`): the session's cache is the same either way.
+    """
+
+    def __init__(self, model, chunk: int = 64, autotune: bool = True):
+        if chunk < 1:
+            raise ValueError(f"chunk={chunk}: the prefill chunk length must be >= 1")
+        self.model, self.chunk, self.config, self.autotune = model, chunk, model.config, autotune
+        self.graphs = 0  # graphs compiled so far (a recompile adds one)
+        self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
+        self.eager_calls = 0
+        graph_model = graph_ready_copy(model)
+        # Attention written out as plain tensor ops (the textbook formula, lesson 16's `naive_attention`):
+        # Inductor fuses its mask, softmax and products with the cache write around it, where SDPA would
+        # stay one opaque library call per layer.
+        set_attention_backend(graph_model, make_backend("naive"))
+        # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
+        # hundreds of attribute checks, about a millisecond per decode step. This module is private to
+        # the twin and its weights are frozen into the graph, so the checks on it are skipped.
+        self.step = torch.compile(CacheStep(graph_model).eval(), backend=self._backend, fullgraph=True,
+                                  dynamic=False,
+                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def dtype(self):
+        return self.model.dtype
+
+    def num_weight_bytes(self) -> int:
+        return self.model.num_weight_bytes()
+
+    def _backend(self, graph_module, example_inputs):
+        """Inductor, counting every graph it is handed."""
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(graph_module, example_inputs)
+
+    def _timed(self, *args):
+        """Run the compiled step; a call that compiled a graph adds its wall time to `compile_seconds`."""
+        graphs, start = self.graphs, time.perf_counter()
+        with inductor_settings(self.autotune, self.device):  # set while the step runs: a graph compiles on its first call
+            out = self.step(*args)
+        if self.graphs != graphs:
+            self.compile_seconds += time.perf_counter() - start
+        return out
+
+    def __call__(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
+        """The model's forward (see `Transformer.forward`); `packed` batches are not supported."""
+        if cache is None:
+            return self.model(tokens, positions, mask=mask, last_only=last_only, logits_at=logits_at)
+        if not (isinstance(cache, StaticCache) and cache.fixed_shape):
+            raise ValueError("a compiled model runs over a fixed-shape static cache: use "
+                             "DecodeSession(model, cache='static', fixed_shape=True) (generate(compile=True) does)")
+        B, T = tokens.shape
+        lengths = cache.lengths or [0] * B
+        if max(lengths) + T > cache.max_len:
+            raise RuntimeError(f"static KV cache is full: it holds {max(lengths)} of {cache.max_len} tokens and "
+                               f"{T} more were written; create it with a larger max_len")
+        starts = torch.tensor(lengths, device=tokens.device)[:, None]  # [B, 1]
+        columns = starts + torch.arange(T, device=tokens.device)  # [B, T]: row b's token at its length + t
+        if mask is None:  # causal: a token sees the columns up to its own
+            mask = torch.arange(cache.max_len, device=tokens.device) <= columns[:, :, None]  # [B, T, S]
+        # One tensor per layer, not the [n_layer, ...] storage they are views of: written through a view of
+        # one big input, the compiled graph would copy every layer's keys out and back each step.
+        keys, values = [k[:B] for k in cache.k_layers], [v[:B] for v in cache.v_layers]
+        if T == 1:
+            logits = self._timed(tokens, positions, columns, mask, None, keys, values)
+        else:
+            logits = self._chunked(tokens, positions, columns, mask, last_only, logits_at, keys, values, cache)
+            if logits is None:
+                self.eager_calls += 1
+                return self.model(tokens, positions, cache=cache, mask=mask, last_only=last_only,
+                                  logits_at=logits_at)
+        cache.lengths, cache.batch = [n + T for n in lengths], B
+        return logits
+
+    def _chunked(self, tokens, positions, columns, mask, last_only, logits_at, keys, values, cache):
+        """T > 1 tokens in chunks of `chunk`, the last padded; None when the padding would not fit the cache.
+
+        Padding tokens continue the positions and columns after the real ones and copy
+        the last real token's mask row: whatever they write lies past the row's end,
+        where the row's next tokens overwrite it before anything attends to it.
+        """
+        B, T = tokens.shape
+        C = self.chunk
+        n_chunks = -(-T // C)
+        pad = n_chunks * C - T
+        if int(columns[:, -1].max()) + 1 + pad > cache.max_len:
+            return None
+        if pad:
+            ahead = torch.arange(1, pad + 1, device=tokens.device)
+            tokens = torch.cat((tokens, tokens[:, -1:].expand(B, pad)), dim=1)
+            positions = torch.cat((positions, (positions[:, -1:] + ahead).clamp(max=self.config.block_size - 1)), 1)
+            columns = torch.cat((columns, columns[:, -1:] + ahead), dim=1)
+            mask = torch.cat((mask, mask[:, -1:].expand(B, pad, mask.shape[-1])), dim=1)
+        if last_only:
+            wanted = torch.full((B, 1), T - 1, device=tokens.device)
+        elif logits_at is not None:
+            wanted = logits_at[:, None] if logits_at.dim() == 1 else logits_at  # [B, K]
+        else:
+            wanted = None  # every position: logits for each whole chunk
+        pieces = []
+        for start in range(0, n_chunks * C, C):
+            part = [t[:, start : start + C].clone(memory_format=torch.contiguous_format)
+                    for t in (tokens, positions, columns, mask)]
+            at = (torch.arange(C, device=tokens.device).expand(B, C) if wanted is None
+                  else (wanted - start).clamp(0, C - 1))
+            pieces.append(self._timed(*part, at, keys, values))  # [B, K, V]
+        if wanted is None:
+            return torch.cat(pieces, dim=1)[:, :T]
+        rows = torch.arange(B, device=tokens.device)[:, None]
+        return torch.stack(pieces)[wanted // C, rows, torch.arange(wanted.shape[1], device=tokens.device)]
+
+
+@contextlib.contextmanager
+def inductor_settings(autotune: bool, device):
+    """Inductor's settings for a compile: frozen weights and, with `autotune`, generated matmul kernels.
+
+    Freezing turns the weights into constants, so Inductor may lay them out for its own
+    kernels once, at compile time. With autotune (`max_autotune`) each matmul becomes a
+    choice: the library call (MKL on x86 CPUs) or a kernel Inductor generates for this
+    exact shape (on CPUs its C++ GEMM template over the prepacked weight; on GPUs Triton
+    templates), timed on the spot, the fastest kept. At batch 1 a decode matmul is a
+    matrix-vector product whose speed is how fast the weight streams from memory, and a
+    kernel made for one shape (no blocking for rows that never come) streams it closer
+    to the memory bandwidth than a general GEMM library: that is most of the compiled
+    step's gain. Autotuning costs compile time, once per graph; Inductor's own table of
+    the timings is not printed.
+    """
+    from torch._inductor import config, select_algorithm
+
+    on_cpu = torch.device(device).type == "cpu"
+    settings = {"freezing": True}
+    if on_cpu:
+        # The graph's own driver in C++ rather than Python: a decode step launches some ten kernels per
+        # block, and calling each from Python costs more than the small ones take to run.
+        settings["cpp_wrapper"] = True
+    if autotune:
+        settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
+        if on_cpu:
+            settings["max_autotune_gemm_backends"] = "CPP,ATEN"
+    quiet = contextlib.nullcontext()
+    if autotune and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
+        from unittest import mock
+
+        quiet = mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
+    with config.patch(settings), quiet, warnings.catch_warnings():
+        # Inductor's autotuner itself still calls the deprecated `Tensor.storage()`: not the reader's concern.
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        yield
+
+
+SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
+
+
+def context_bucket(tokens: int, block_size: int) -> int:
+    """The fixed cache length for a run of `tokens` tokens: the next power of two (at least SMALLEST_BUCKET),
+    capped at the model's context. A power of two from 256 up is a multiple of the usual chunk lengths, so
+    a prompt's padded last chunk still fits."""
+    return min(block_size, max(SMALLEST_BUCKET, 1 << (tokens - 1).bit_length()))
+
+
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compile_model(model, chunk: int = 64, autotune: bool = True) -> CompiledModel:
+    """The model's compiled twin, made once per model and settings (compiled graphs are kept with it).
+
+    autotune: let Inductor time generated matmul kernels against the library's and keep the
+    fastest (`inductor_settings`): slower to compile, faster to run.
+    """
+    if isinstance(model, CompiledModel):
+        return model
+    per_model = _COMPILED.setdefault(model, {})
+    if (chunk, autotune) not in per_model:
+        per_model[chunk, autotune] = CompiledModel(model, chunk, autotune)
+    return per_model[chunk, autotune]
+
+
+__all__ = ["CompiledModel", "ColumnWrites", "FixedRope", "compile_model", "context_bucket", "graph_forward",
+           "graph_ready_copy"]

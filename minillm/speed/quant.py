@@ -1,0 +1,370 @@
+"""Quantized linears as module swaps: weight-only int8 and int4, dynamic and static int8 (lesson 14).
+
+At batch 1 a decode step reads every weight once and does two flops per weight: it is
+bound by the bytes it reads. Storing weights in 8 or 4 bits instead of 32 reads 4-8x fewer
+bytes per token. Each swap here replaces the model's `nn.Linear`s after loading (gpt-fast's
+pattern, like `minillm.speed.onednn`): `model.py` stays plain, and `dequantize_model` is the off
+switch that turns every quantized linear back into an `nn.Linear` holding the weight the
+quantized one stands for (the reference every swap is checked against).
+
+    weight-only int8   w ≈ q·s, q int8, one scale per output channel (symmetric)
+    weight-only int4   w ≈ (q − 8)·s + z, q in 0..15, a scale and a zero per group of
+                       32-256 weights along K (asymmetric): PyTorch's packed CPU kernel's form
+    dynamic int8       the weight as above, and each activation row quantized at run time
+                       (its own scale); an int8 × int8 → int32 matmul, then both scales
+    static int8        the same, with one activation scale per linear fixed in advance
+                       from sample text (calibration): no per-step max, but outliers clip
+
+Weight-only kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`) are
+fast only with bfloat16 activations: with float32 ones they take a slow reference path.
+So a weight-only linear computes in `compute_dtype` (bfloat16 by default) whatever the
+model's dtype, and returns the model's dtype. Pass `compute_dtype=torch.float32` to check
+the kernels exactly. The kernels' limits are refused with one line each (`check_int4_shape`,
+`check_int8_shape`): int4 groups of 32/64/128/256 dividing K, N a multiple of 16; bfloat16
+int8 needs K a multiple of 16 (otherwise it returns garbage); CPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+METHODS = ("int8", "int4", "dynamic-int8", "static-int8")
+
+
+class QuantizationError(ValueError):
+    """A quantization the kernels cannot run, or a bad setting: the message names the value and the fix."""
+
+
+# ------------------------------------------------------------------ formats: quantize and dequantize
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q int8 [N, K], scale float32 [N]) with weight ≈ q · scale[:, None].
+
+    Symmetric: the largest |w| of each row maps to 127 (−128 stays unused, so the grid is
+    symmetric around zero). An all-zero row gets scale 1 rather than a division by zero.
+    """
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4_groupwise(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q uint8 [N, K] in 0..15, scale, zero float32 [N, K / group_size]).
+
+    Asymmetric per group: the group's minimum maps to q = 0 and its maximum to 15, so
+    w ≈ q·s + min. Written in the kernel's form w ≈ (q − 8)·s + z, the zero is z = min + 8·s.
+    """
+    n, k = weight.shape
+    if group_size not in INT4_GROUP_SIZES or k % group_size:
+        raise QuantizationError(f"int4 group size {group_size} does not fit K={k}: use one of "
+                                f"{', '.join(str(g) for g in INT4_GROUP_SIZES)} that divides K")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    scale = (high - low) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: any scale, q = 0
+    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, low + 8 * scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(q − 8)·scale + zero, each group of K sharing its scale and zero: the kernel's formula, in float32."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    w = (q.float().reshape(n, groups, k // groups) - 8) * scale.float()[..., None] + zero.float()[..., None]
+    return w.reshape(n, k)
+
+
+# ------------------------------------------------------------------ what the kernels accept
+
+
+def check_int4_shape(n: int, k: int, group_size: int, name: str = "weight") -> None:
+    if group_size not in INT4_GROUP_SIZES or k % group_size:
+        fits = [g for g in INT4_GROUP_SIZES if k % g == 0]
+        raise QuantizationError(f"int4 group size {group_size} does not fit {name} (K={k}): use "
+                                f"{' or '.join(map(str, fits)) if fits else 'int8 (no int4 group size divides K)'}")
+    if n % 16:
+        raise QuantizationError(f"int4 needs output features N a multiple of 16; {name} has N={n}: use int8 for it")
+
+
+def check_int8_shape(k: int, compute_dtype: torch.dtype, name: str = "weight") -> None:
+    if compute_dtype != torch.float32 and k % 16:
+        raise QuantizationError(f"int8 with {compute_dtype} activations needs K a multiple of 16 (the kernel returns "
+                                f"garbage otherwise); {name} has K={k}: use compute_dtype=torch.float32")
+
+
+def check_device(module: nn.Module, name: str) -> None:
+    if any(p.device.type != "cpu" for p in module.parameters()):
+        raise QuantizationError(f"{name} is on {next(module.parameters()).device}: these packed kernels are CPU "
+                                f"kernels; load the model with device='cpu'")
+
+
+# ------------------------------------------------------------------ the quantized linears
+
+
+class QuantizedLinear(nn.Module):
+    """What every quantized linear shares: the input width, an optional bias, and a flatten/unflatten."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, self.in_features)).to(x.dtype)  # [rows, N]
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight this linear stands for: what `dequantize_model` puts back."""
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight data (codes, scales, zeros) a forward reads."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8WeightLinear(QuantizedLinear):
+    """Weight-only int8 (per output channel), on `aten._weight_int8pack_mm`."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias=None, compute_dtype=torch.bfloat16):
+        super().__init__(q.shape[1], q.shape[0], bias)
+        check_int8_shape(q.shape[1], compute_dtype)
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight_int8", q.contiguous())  # [N, K]
+        self.register_buffer("scale", scale.to(compute_dtype))  # [N]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype=torch.bfloat16) -> "Int8WeightLinear":
+        return cls(*quantize_int8_per_channel(linear.weight), linear.bias, compute_dtype)
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.compute_dtype), self.weight_int8, self.scale)
+
+    def dequantized_weight(self):
+        return dequantize_int8(self.weight_int8, self.scale)
+
+
+class Int4WeightLinear(QuantizedLinear):
+    """Weight-only int4 (groupwise, asymmetric), on `aten._weight_int4pack_mm_for_cpu`.
+
+    The kernel reads q packed two to a byte in its own layout (`_convert_weight_to_int4pack_for_cpu`)
+    and scale and zero interleaved as [K / group_size, N, 2].
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias=None,
+                 compute_dtype=torch.bfloat16):
+        n, k = q.shape
+        super().__init__(k, n, bias)
+        self.group_size = k // scale.shape[1]
+        check_int4_shape(n, k, self.group_size)
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        scale_and_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # [K / group_size, N, 2]
+        self.register_buffer("scale_and_zero", scale_and_zero.to(compute_dtype).contiguous())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32, compute_dtype=torch.bfloat16) -> "Int4WeightLinear":
+        check_int4_shape(linear.out_features, linear.in_features, group_size)
+        return cls(*quantize_int4_groupwise(linear.weight, group_size), linear.bias, compute_dtype)
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.compute_dtype), self.weight_int4,
+                                                          self.group_size, self.scale_and_zero)
+
+    def dequantized_weight(self):
+        """Read back through the kernel itself: x = I gives wᵀ exactly (one product per output, in float32)."""
+        eye = torch.eye(self.in_features)
+        sz = self.scale_and_zero.float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_int4, self.group_size, sz).t().contiguous()
+
+    def extra_repr(self):
+        return super().extra_repr() + f", group_size={self.group_size}"
+
+
+def quantize_rows_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+
+
+class DynamicInt8Linear(QuantizedLinear):
+    """int8 weights (per channel) × int8 activations (per row, scaled at run time) → int32, on `torch._int_mm`.
+
+    y = (q_x · q_wᵀ) · s_x · s_w: the integer product is exact, so the only errors are the
+    two roundings. Each row's scale is its own max |x| / 127, computed every step.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias=None):
+        super().__init__(q.shape[1], q.shape[0], bias)
+        self.register_buffer("weight_int8", q.contiguous())  # [N, K]; the kernel reads its transpose
+        self.register_buffer("scale", scale.float())  # [N]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "DynamicInt8Linear":
+        return cls(*quantize_int8_per_channel(linear.weight), linear.bias)
+
+    def input_scale(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(dim=1, keepdim=True) / 127  # [rows, 1]
+        return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+    def matmul(self, x):
+        x = x.float()
+        x_scale = self.input_scale(x)
+        acc = torch._int_mm(quantize_rows_int8(x, x_scale), self.weight_int8.t())  # int32 [rows, N]
+        return acc.float() * x_scale * self.scale
+
+    def dequantized_weight(self):
+        return dequantize_int8(self.weight_int8, self.scale)
+
+
+class StaticInt8Linear(DynamicInt8Linear):
+    """Dynamic int8 with the activation scale fixed once, from calibration (`calibrate_input_ranges`).
+
+    Values beyond the calibrated range saturate at ±127: the price of skipping the per-step max.
+    """
+
+    def __init__(self, q, scale, input_absmax: float, bias=None):
+        super().__init__(q, scale, bias)
+        self.register_buffer("static_scale", torch.tensor(max(input_absmax, 1e-12) / 127))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, input_absmax: float) -> "StaticInt8Linear":
+        return cls(*quantize_int8_per_channel(linear.weight), input_absmax, linear.bias)
+
+    def input_scale(self, x):
+        return self.static_scale
+
+
+# ------------------------------------------------------------------ the swaps
+
+
+def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """Every nn.Linear (or subclass, such as OneDNNLinear) of the model, by qualified name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+@torch.no_grad()
+def calibrate_input_ranges(model: nn.Module, calibration_tokens: torch.Tensor) -> dict[str, float]:
+    """max |input| seen by each linear while the model reads `calibration_tokens` [B, T] (static int8's scales)."""
+    ranges, hooks = {}, []
+    for name, linear in linears(model):
+        def record(module, args, name=name):
+            ranges[name] = max(ranges.get(name, 0.0), args[0].detach().abs().max().item())
+        hooks.append(linear.register_forward_pre_hook(record))
+    try:
+        b, t = calibration_tokens.shape
+        model(calibration_tokens, torch.arange(t).expand(b, t))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ranges
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str, group_size: int = 32, compute_dtype=torch.bfloat16,
+                   calibration_tokens: torch.Tensor | None = None, head: str | None = None) -> nn.Module:
+    """Swap every nn.Linear of `model` for its quantized form, in place; returns the model.
+
+    method: "int8" / "int4" (weight-only, computing in `compute_dtype`), "dynamic-int8", or
+    "static-int8" (needs `calibration_tokens` [B, T]: text the model reads once to fix each
+    activation scale). Every linear is checked before any is replaced, so a refusal leaves
+    the model as it was. The tied embedding keeps its float weight: a token's lookup reads
+    one row, while the LM head reads the whole matrix every step, so only the head is quantized.
+    `head` stores the LM head another way: "int8" (as llama.cpp's 4-bit files keep their
+    output matrix at 6-8 bits: the logits are what every token is picked from) or "none"
+    (kept float); None quantizes it like the rest.
+    """
+    for name, value, allowed in (("quantization", method, METHODS), ("head", head, (None, "int8", "int4", "none"))):
+        if value not in allowed:
+            raise QuantizationError(f"unknown {name} {value!r}: use one of {', '.join(map(str, allowed))}")
+    targets = [(name, linear, method if name != "lm_head" or head is None else head)
+               for name, linear in linears(model) if not (name == "lm_head" and head == "none")]
+    for name, linear, how in targets:
+        check_device(linear, name)
+        if how == "int4":
+            check_int4_shape(linear.out_features, linear.in_features, group_size, name)
+        elif how == "int8":
+            check_int8_shape(linear.in_features, compute_dtype, name)
+    if method == "static-int8":
+        if calibration_tokens is None:
+            raise QuantizationError("static-int8 needs calibration_tokens: a [B, T] batch of sample text token ids")
+        ranges = calibrate_input_ranges(model, calibration_tokens)
+    for name, linear, how in tqdm(targets, desc=f"quantizing to {method}", unit="linear", leave=False):
+        if how == "int8":
+            new = Int8WeightLinear.from_linear(linear, compute_dtype)
+        elif how == "int4":
+            new = Int4WeightLinear.from_linear(linear, group_size, compute_dtype)
+        elif how == "dynamic-int8":
+            new = DynamicInt8Linear.from_linear(linear)
+        else:
+            new = StaticInt8Linear.from_linear(linear, ranges[name])
+        replace_module(model, name, new)
+    return model
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """The off switch and the reference: each quantized linear becomes an nn.Linear holding its dequantized weight.
+
+    The result computes with the very weights the quantized model stands for, in plain
+    float32 `F.linear`: any difference left is the kernels' (and the activations' rounding).
+    """
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            plain.weight.data = module.dequantized_weight()
+            if module.bias is not None:
+                plain.bias.data = module.bias.detach().float().clone()
+            replace_module(model, name, plain.to(next(model.parameters()).dtype))
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads: quantized linears' codes and scales, the rest of the
+    parameters, and one row of the embedding (a lookup) unless the head shares it unquantized."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    total = sum(m.weight_bytes() for m in quantized)
+    seen = {id(p) for m in quantized for p in m.parameters()}
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        shared_with_head = isinstance(getattr(model, "lm_head", None), nn.Linear) and p is model.lm_head.weight
+        if p is getattr(getattr(model, "tok_emb", None), "weight", None) and not shared_with_head:
+            total += p.shape[1] * p.element_size()  # a lookup reads one row
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def quantized_modules(model: nn.Module) -> dict[str, int]:
+    """How many linears of each quantized kind the model holds (a quick look at what a swap did)."""
+    counts = {}
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    return counts
+
+
+__all__ = ["INT4_GROUP_SIZES", "METHODS", "QuantizationError", "QuantizedLinear", "Int8WeightLinear",
+           "Int4WeightLinear", "DynamicInt8Linear", "StaticInt8Linear", "quantize_int8_per_channel",
+           "dequantize_int8", "quantize_int4_groupwise", "dequantize_int4", "check_int4_shape", "check_int8_shape",
+           "calibrate_input_ranges", "quantize_model", "dequantize_model", "weight_bytes", "quantized_modules",
+           "replace_module", "linears"]

@@ -1,0 +1,249 @@
+"""The GGUF's own 4-bit blocks, run natively by the int4 kernel (lesson 14).
+
+llama.cpp stores a matrix row by row in blocks of 32 weights. The default model's
+matrices are Q4_1 blocks of 20 bytes:
+
+    bytes 0-1   d, float16        the block's step
+    bytes 2-3   m, float16        the block's minimum
+    bytes 4-19  16 bytes of nibbles: weight i in the low nibble of byte i, weight i + 16 in the high one
+    weight = d·q + m,  q in 0..15
+
+PyTorch's int4 CPU kernel computes w = (q − 8)·scale + zero per group of K. A Q4_1 block
+is exactly a group of 32 with scale = d and zero = m + 8·d: the same q codes, no
+rounding, and never a float32 copy of the matrix. Q4_0 (18 bytes: d, then nibbles;
+w = d·(q − 8)) is a group with zero 0. Q8_0 (34 bytes: d, then 32 int8; w = d·q) has
+no int4 form; the tied embedding / LM head is Q8_0 here, and `use_gguf_weights` turns it
+into the int8 kernel's one scale per row, requantizing from the decoded blocks (chunk by
+chunk): int8 per row costs about one more rounding than Q8_0's per-32 scales (measured
+in the lesson), and keeps the head at one byte per weight instead of four.
+
+The block codecs here (`encode_blocks`, `decode_blocks`) are written out from the
+format and checked bit-exact against the `gguf` package's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..model.families import unpermute_rope
+from ..model.loading import DEFAULT_ALIASES, default_gguf_path, read_gguf
+from .quant import (
+    Int4WeightLinear,
+    Int8WeightLinear,
+    QuantizationError,
+    check_int4_shape,
+    quantize_int4_groupwise,
+    quantize_model,
+    replace_module,
+)
+
+BLOCK = 32
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+NATIVE_INT4 = ("Q4_0", "Q4_1")
+
+
+# ------------------------------------------------------------------ block codecs
+
+
+def split_nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: byte i holds element i (low nibble) and element i + 16 (high)."""
+    return np.concatenate((packed & 0x0F, packed >> 4), axis=-1)
+
+
+def join_nibbles(codes: np.ndarray) -> np.ndarray:
+    return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+
+
+def decode_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Raw rows [N, K / 32 · bytes] -> (codes [N, K], d float32 [N, K / 32], m float32 [N, K / 32] or None).
+
+    Q4_1: w = d·q + m (q uint8 0..15); Q4_0: w = d·(q − 8) (q uint8 0..15, m None);
+    Q8_0: w = d·q (q int8, m None). Nothing is multiplied out: the codes stay codes.
+    """
+    if kind not in BLOCK_BYTES:
+        raise QuantizationError(f"GGUF block type {kind} has no native path here: minillm runs "
+                                f"{', '.join(BLOCK_BYTES)} blocks; use --quant int4 to requantize the weights")
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n, -1, BLOCK_BYTES[kind])  # [N, K / 32, bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        return blocks[..., 2:].copy().view(np.int8).reshape(n, -1), d, None
+    if kind == "Q4_0":
+        return split_nibbles(blocks[..., 2:]).reshape(n, -1), d, None
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return split_nibbles(blocks[..., 4:]).reshape(n, -1), d, m
+
+
+def dequantize_blocks(data: np.ndarray, kind: str) -> np.ndarray:
+    """Raw rows -> float32 [N, K]: the plain reference the native paths are checked against."""
+    q, d, m = decode_blocks(data, kind)
+    n = q.shape[0]
+    q = q.reshape(n, -1, BLOCK).astype(np.float32)
+    w = d[..., None] * (q - 8 if kind == "Q4_0" else q) + (0 if m is None else m[..., None])
+    return w.reshape(n, -1)
+
+
+def encode_blocks(weight: np.ndarray, kind: str) -> np.ndarray:
+    """float32 [N, K] -> raw rows, rounding as llama.cpp's reference quantizer does.
+
+    Q8_0: d = max|w| / 127, q = round(w / d) (half away from zero). Q4_1: d = (max − min) / 15,
+    q = trunc((w − min) / d + 0.5). Q4_0: d = (the value of largest magnitude) / −8,
+    q = trunc(w / d + 8.5) clipped to 15. Each d (and m) is stored as float16.
+    """
+    if kind not in BLOCK_BYTES:
+        raise QuantizationError(f"cannot encode {kind}: use one of {', '.join(BLOCK_BYTES)}")
+    n = weight.shape[0]
+    w = weight.astype(np.float32).reshape(n, -1, BLOCK)
+    with np.errstate(divide="ignore"):
+        if kind == "Q8_0":
+            d = np.abs(w).max(axis=-1, keepdims=True) / 127
+            inverse = np.where(d == 0, 0, 1 / d)
+            scaled = w * inverse
+            q = (np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)).astype(np.int8).view(np.uint8)
+            body = [d.astype(np.float16).view(np.uint8), q]
+        elif kind == "Q4_0":
+            peak = np.take_along_axis(w, np.abs(w).argmax(axis=-1)[..., None], axis=-1)
+            d = peak / -8
+            inverse = np.where(d == 0, 0, 1 / d)
+            q = np.trunc(w * inverse + np.float32(8.5)).astype(np.uint8).clip(0, 15)
+            body = [d.astype(np.float16).view(np.uint8), join_nibbles(q)]
+        else:
+            low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
+            d = (high - low) / 15
+            inverse = np.where(d == 0, 0, 1 / d)
+            q = np.trunc((w - low) * inverse + np.float32(0.5)).astype(np.uint8).clip(0, 15)
+            body = [d.astype(np.float16).view(np.uint8), low.astype(np.float16).view(np.uint8), join_nibbles(q)]
+    return np.concatenate(body, axis=-1).reshape(n, -1)
+
+
+# ------------------------------------------------------------------ GGUF matrices -> kernels
+
+
+def int4_linear_from_blocks(data: np.ndarray, kind: str, compute_dtype=torch.bfloat16,
+                            name: str = "weight") -> Int4WeightLinear:
+    """Q4_0 / Q4_1 rows -> the int4 kernel, code for code: scale = d, zero = m + 8·d (Q4_1) or 0 (Q4_0)."""
+    if kind not in NATIVE_INT4:
+        raise QuantizationError(f"{name} is {kind}: the int4 kernel runs Q4_0 and Q4_1 blocks natively; "
+                                f"use --quant int4 to requantize the model instead")
+    q, d, m = decode_blocks(data, kind)
+    check_int4_shape(q.shape[0], q.shape[1], BLOCK, name)
+    zero = d * 8 + m if m is not None else np.zeros_like(d)
+    return Int4WeightLinear(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero), None, compute_dtype)
+
+
+def int8_linear_from_q8_0(data: np.ndarray, compute_dtype=torch.bfloat16,
+                          rows_per_chunk: int = 4096) -> Int8WeightLinear:
+    """Q8_0 rows -> the int8 kernel's one scale per row, decoding a chunk of rows at a time.
+
+    The kernel has no per-block scales, so each row is requantized: s = max |d_b·q| / 127,
+    q' = round(d_b·q / s). A row whose blocks share one d keeps its codes exactly.
+    """
+    codes, scales = [], []
+    for start in range(0, data.shape[0], rows_per_chunk):
+        w = torch.from_numpy(dequantize_blocks(data[start:start + rows_per_chunk], "Q8_0"))
+        scale = w.abs().amax(dim=1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes.append(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        scales.append(scale)
+    return Int8WeightLinear(torch.cat(codes), torch.cat(scales), None, compute_dtype)
+
+
+def gguf_path_for(name_or_path: str) -> Path:
+    """The GGUF file a model name stands for: the default model's, or a .gguf path given directly."""
+    if name_or_path in DEFAULT_ALIASES:
+        return default_gguf_path()
+    if str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
+        return Path(name_or_path)
+    raise QuantizationError(f"--quant gguf runs a GGUF file's own blocks, and {name_or_path!r} is not a GGUF: "
+                            f"use --model default or a .gguf path, or --quant int4 to quantize this model")
+
+
+@torch.no_grad()
+def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torch.bfloat16,
+                     head: str = "int8") -> nn.Module:
+    """Swap a loaded llama-architecture model's linears for the GGUF's own blocks, in place; returns the model.
+
+    Each Q4_0/Q4_1 matrix goes to the int4 kernel as it is stored; q and k rows are put
+    back in Hugging Face's rotary order (a row permutation: blocks lie within rows, so
+    whole blocks move), and the q/k/v and gate/up matrices are stacked as `model.py` fuses
+    them. The Q8_0 head goes to the int8 kernel (see the module docstring), or with
+    `head="int4"` to int4 groups of 32 requantized from its decoded rows (faster, less
+    exact), or with "none" stays as loaded (the 4-bit matrices alone). Everything else
+    (norms, the embedding lookup) stays as loaded. Every tensor is checked before any
+    linear is replaced.
+    """
+    reader, meta = read_gguf(Path(gguf_path))
+    if meta.get("general.architecture") != "llama":
+        raise QuantizationError(f"{gguf_path} is a {meta.get('general.architecture')!r} GGUF: --quant gguf maps "
+                                f"llama-architecture files; use --quant int4 for this model")
+    tensors = {t.name: t for t in reader.tensors}
+    config = model.config
+
+    def rows(name: str, heads: int | None = None) -> tuple[np.ndarray, str]:
+        if name not in tensors:
+            raise QuantizationError(f"{gguf_path} lacks tensor {name}: it is not this model's GGUF")
+        t = tensors[name]
+        data = np.asarray(t.data)
+        return (unpermute_rope(data, heads) if heads else data), t.tensor_type.name
+
+    def stacked(*parts: tuple[np.ndarray, str], name: str) -> tuple[np.ndarray, str]:
+        kinds = {kind for _, kind in parts}
+        if len(kinds) > 1:
+            raise QuantizationError(f"{name}: the stacked matrices mix block types {sorted(kinds)}; use --quant int4")
+        return np.concatenate([data for data, _ in parts]), kinds.pop()
+
+    plan = []  # (module name, raw rows, block type)
+    for i in range(config.n_layer):
+        b = f"blk.{i}."
+        plan += [
+            (f"blocks.{i}.attn.qkv", *stacked(rows(b + "attn_q.weight", config.n_head),
+                                              rows(b + "attn_k.weight", config.kv_heads),
+                                              rows(b + "attn_v.weight"), name=f"blocks.{i}.attn.qkv")),
+            (f"blocks.{i}.attn.proj", *rows(b + "attn_output.weight")),
+            (f"blocks.{i}.mlp.fc", *stacked(rows(b + "ffn_gate.weight"), rows(b + "ffn_up.weight"),
+                                            name=f"blocks.{i}.mlp.fc")),
+            (f"blocks.{i}.mlp.proj", *rows(b + "ffn_down.weight")),
+        ]
+    if head not in ("int8", "int4", "none"):
+        raise QuantizationError(f"unknown head {head!r}: use int8, int4 or none")
+    if head != "none":
+        plan.append(("lm_head", *rows("output.weight" if "output.weight" in tensors else "token_embd.weight")))
+    for name, data, kind in plan:
+        linear = model.get_submodule(name)
+        if kind not in (*NATIVE_INT4, "Q8_0"):
+            raise QuantizationError(f"{name} is stored as {kind}: --quant gguf runs Q4_0/Q4_1 (and a Q8_0 head) "
+                                    f"natively; use --quant int4 to requantize this model")
+        shape = (data.shape[0], data.shape[1] // BLOCK_BYTES[kind] * BLOCK)
+        if shape != (linear.out_features, linear.in_features):
+            raise QuantizationError(f"{name}: the GGUF holds a {list(shape)} matrix but the model has "
+                                    f"{[linear.out_features, linear.in_features]}; load the model this GGUF belongs to")
+        if kind in NATIVE_INT4:
+            check_int4_shape(*shape, BLOCK, name)
+    for name, data, kind in tqdm(plan, desc="GGUF blocks -> kernels", unit="linear", leave=False):
+        if kind == "Q8_0" and head == "int4":
+            new = Int4WeightLinear(*quantize_int4_groupwise(torch.from_numpy(dequantize_blocks(data, kind)), BLOCK),
+                                   None, compute_dtype)
+        elif kind == "Q8_0":
+            new = int8_linear_from_q8_0(data, compute_dtype)
+        else:
+            new = int4_linear_from_blocks(data, kind, compute_dtype, name)
+        replace_module(model, name, new)
+    return model
+
+
+def apply_quantization(model: nn.Module, method: str, name_or_path: str) -> nn.Module:
+    """The CLI's --quant: "gguf" runs the model's GGUF blocks (`name_or_path` says which file), the rest
+    `minillm.speed.quant.quantize_model`; int4 in groups of 32 (the finest the kernel offers) with an int8 head,
+    as the GGUF path has (a 4-bit head costs more accuracy than every other matrix together: lesson 14)."""
+    if method == "gguf":
+        return use_gguf_weights(model, gguf_path_for(name_or_path))
+    return quantize_model(model, method, head="int8" if method == "int4" else None)
+
+
+__all__ = ["apply_quantization", "BLOCK_BYTES", "decode_blocks", "dequantize_blocks", "encode_blocks",
+           "int4_linear_from_blocks", "int8_linear_from_q8_0", "gguf_path_for", "use_gguf_weights"]

@@ -1,0 +1,196 @@
+"""The generation loop: prefill once, then one token per step, until every row stops.
+
+    from minillm import load_model
+    from minillm.strategies.generate import generate
+    model, tok = load_model("default")
+    out = generate(model, ["The capital of France is"], tokenizer=tok, max_new_tokens=20)
+    out.rows[0].text, out.rows[0].finish_reason, out.stats.decode_tokens_per_second
+
+    for event in generate(model, prompts, tokenizer=tok, stream=True):   # the same run, as it happens
+        print(event.row, event.text, end="")
+
+The loop is a few lines over a `DecodeSession` (`minillm.runtime.session`): the session owns the
+batch's rows, the KV cache, positions and masks; this module only chooses tokens
+(`minillm.decoding.sampling`) and decides when rows stop (`minillm.decoding.stopping`). Every row may
+carry its own settings (pass a list of configs): a server batches requests that way.
+
+The context window. A model only knows `block_size` positions. When a row outgrows
+it, its window (the tokens the model sees) moves forward by `window_slide` tokens
+and the batch is prefilled again from the new windows. The rule is the same with
+and without a cache, so all cache kinds give the same tokens; sliding by more than
+one token at a time means fewer re-prefills for a little less context.
+
+Run as `python -m minillm.infer --prompt "..."` for the command-line interface.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..decoding.outputs import (
+    GenerationEvent,
+    GenerationOutput,
+    GenerationStats,
+    RowOutput,
+    check_prompts,
+    drain,
+    encode_prompts,
+)
+from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows, row_configs
+from ..decoding.stopping import RowState
+from ..runtime.batching import length_sorted_chunks
+from ..runtime.session import DecodeSession
+from ..speed.compile import compile_model, context_bucket
+
+
+def sliding_window_start(length: int, start: int, block_size: int, slide: int) -> int:
+    """Where a row's window begins once it holds `length` tokens: unchanged while it fits,
+    else moved forward by `slide` (at least far enough to fit)."""
+    if length - start <= block_size:
+        return start
+    return max(start + slide, length - block_size)
+
+
+class Generation:
+    """One `generate` call: iterate it for events; `output` holds the result once it is done.
+
+    Everything is checked when it is created, so a bad setting fails at the call, before
+    any model work.
+    """
+
+    def __init__(self, model, prompts, config=None, *, tokenizer=None, cache: str = "static",
+                 window_slide: int = 1, compile: bool = False, **config_overrides):
+        if window_slide < 1:
+            raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
+        if compile and cache != "static":
+            raise ValueError(f"compile=True runs over the static cache, not cache={cache!r}: use cache='static'")
+        if compile:
+            model = compile_model(model)
+        self.model, self.tokenizer, self.window_slide = model, tokenizer, window_slide
+        self.prompt_ids = encode_prompts(prompts, tokenizer)
+        check_prompts(self.prompt_ids, model.config.block_size, model.config.vocab_size)
+        self.configs = row_configs(config, len(self.prompt_ids), config_overrides)
+        if any(c.stop for c in self.configs) and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
+        self.states = [RowState.for_config(ids, c, tokenizer) for ids, c in zip(self.prompt_ids, self.configs)]
+        longest = max(len(p) + c.max_new_tokens for p, c in zip(self.prompt_ids, self.configs))
+        if compile:  # one cache length per bucket, so most runs reuse the graphs already compiled
+            self.session = DecodeSession(model, cache, max_len=context_bucket(longest, model.config.block_size),
+                                         fixed_shape=True)
+        else:
+            self.session = DecodeSession(model, cache, max_len=longest)
+        self.stats = GenerationStats(prompt_tokens=sum(map(len, self.prompt_ids)))
+        self.output: GenerationOutput | None = None
+        self.started = False
+
+    @torch.inference_mode()
+    def __iter__(self):
+        if self.started:
+            raise RuntimeError("a Generation runs once: call generate() again for another run")
+        self.started = True
+        states, session, block = self.states, self.session, self.model.config.block_size
+        t_start = time.perf_counter()
+        for row, state in enumerate(states):
+            if state.finished:  # max_new_tokens == 0
+                yield GenerationEvent(row, [], "", state.finish_reason)
+        active = [r for r, s in enumerate(states) if not s.finished]  # prompt index of each session row
+        sequences = [list(ids) for ids in self.prompt_ids]  # each row's whole text so far, in token ids
+        starts = [0] * len(sequences)  # where each row's context window begins
+        configs = [self.configs[r] for r in active]
+        generators = generators_for(configs, self.model.device)
+        history = TokenHistory.from_prompts([self.prompt_ids[r] for r in active], self.model.config.vocab_size,
+                                            self.model.device) if any(c.uses_penalties for c in configs) else None
+        logits = session.prefill([sequences[r] for r in active]) if active else None  # [B, V]
+        t_first = None
+        while active:
+            self.stats.forward_passes += 1
+            next_tokens = choose_rows(process_rows(logits, configs, history), configs, generators)  # [B]
+            if history is not None:
+                history.add(next_tokens)
+            events = []
+            for r, token in zip(active, next_tokens.tolist()):
+                states[r].push(token)
+                sequences[r].append(token)
+                events.append(GenerationEvent(r, [token], states[r].new_text(), states[r].finish_reason))
+            if t_first is None:
+                t_first = time.perf_counter()
+                self.stats.prefill_seconds = t_first - t_start
+            yield from events
+            keep = [i for i, r in enumerate(active) if not states[r].finished]
+            if len(keep) < len(active):  # finished rows leave the batch
+                if not keep:
+                    break
+                index = torch.tensor(keep, device=self.model.device)
+                session.select(index)
+                next_tokens, configs = next_tokens[index], [configs[i] for i in keep]
+                generators = [generators[i] for i in keep]
+                history = history.select(index) if history is not None else None
+                active = [active[i] for i in keep]
+            slid = False
+            for r in active:
+                new_start = sliding_window_start(len(sequences[r]), starts[r], block, self.window_slide)
+                slid |= new_start != starts[r]
+                starts[r] = new_start
+            if slid:  # a row outgrew the context: every row restarts from its window
+                logits = session.prefill([sequences[r][starts[r]:] for r in active])
+            else:
+                logits = session.extend(next_tokens[:, None])[:, -1]
+        if t_first is not None:
+            self.stats.decode_seconds = time.perf_counter() - t_first
+        self.stats.decode_tokens = sum(max(len(s.token_ids) - 1, 0) for s in states)
+        self.output = GenerationOutput([RowOutput.from_state(s) for s in states], self.stats)
+
+
+def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | None = None, *, tokenizer=None,
+             cache: str = "static", streamer=None, window_slide: int = 1, stream: bool = False,
+             compile: bool = False, **config_overrides):
+    """Generate a continuation for each prompt.
+
+    prompts: a string, a list (or 1-D tensor) of token ids, or a list of either (a batch).
+    config: how to choose tokens and when to stop; one for every row, or a list with one
+        per row. Keyword arguments override its fields
+        (`generate(..., max_new_tokens=20, do_sample=True, seed=0)`).
+    tokenizer: needed for text prompts, text output, stop strings and streaming.
+    cache: "static" (default), "dynamic", or "none" (recompute everything each step).
+    streamer: an object with `put(row, text)` and `end()` that receives final text as it forms.
+    window_slide: how far the context window moves when a row outgrows `block_size`.
+    stream: return the `Generation` to iterate over its events instead of running it.
+    compile: run the model as compiled graphs over a fixed-shape static cache (lesson 15,
+        `minillm.speed.compile`); the first call compiles (slow), later ones reuse the graphs.
+
+    Returns a GenerationOutput (or, with stream=True, the Generation).
+    """
+    run = Generation(model, prompts, config, tokenizer=tokenizer, cache=cache, window_slide=window_slide,
+                     compile=compile, **config_overrides)
+    if stream:
+        return run
+    return drain(run, streamer)
+
+
+def generate_in_batches(model, prompts, batch_size: int, config=None, *, tokenizer=None, streamer=None,
+                        **generate_kwargs) -> GenerationOutput:
+    """`generate()` over many prompts, at most `batch_size` at a time.
+
+    Prompts are grouped by length (`minillm.runtime.batching.length_sorted_chunks`); rows come
+    back in input order and the statistics are summed over the chunks. Each row's tokens
+    are the ones `generate()` gives it alone, so the split changes speed, never output.
+    """
+    rows = encode_prompts(prompts, tokenizer)
+    check_prompts(rows, model.config.block_size, model.config.vocab_size)  # name the bad row by its input index
+    configs = row_configs(config, len(rows), {})
+    outputs, stats = [None] * len(rows), GenerationStats()
+    for index in length_sorted_chunks([len(r) for r in rows], batch_size):
+        run = generate(model, [rows[i] for i in index], [configs[i] for i in index], tokenizer=tokenizer,
+                       stream=True, **generate_kwargs)
+        for event in run:
+            if streamer is not None and event.text:
+                streamer.put(index[event.row], event.text)
+        for i, row in zip(index, run.output.rows):
+            outputs[i] = row
+        stats.add(run.output.stats)
+    if streamer is not None:
+        streamer.end()
+    return GenerationOutput(outputs, stats)
+
