@@ -18,6 +18,27 @@ settings.register_profile("explore", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
+# Markers follow from what a test uses, so a new test is marked without anyone remembering to:
+#   real_model  loads a real model (SmolLM2-135M-Instruct or Gemma 3 270M, through their fixtures)
+#   notebook    executes a notebook top to bottom (`run_notebook`)
+#   slow        either of those, or marked by hand: `python -m pytest -m "not slow"` is the quick half
+#   gpu         needs CUDA; skipped with a reason where there is none
+REAL_MODEL_FIXTURES = {"default_model", "reference_default_model", "gemma"}  # gemma: Gemma 3 270M (test_17)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & REAL_MODEL_FIXTURES:
+            item.add_marker(pytest.mark.real_model)
+        if "run_notebook" in fixtures:
+            item.add_marker(pytest.mark.notebook)
+        if item.get_closest_marker("real_model") or item.get_closest_marker("notebook"):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here)"))
+
+
 @pytest.fixture(params=TINY_KINDS)
 def tiny_kind(request) -> str:
     return request.param

@@ -222,6 +222,7 @@ def test_cli_truncated_safetensors(capsys, tmp_path):
     assert "corrupt" in _cli_error(capsys, "--prompt", "hi", "--model", str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_cli_corrupt_gguf(capsys, tmp_path, monkeypatch, damage):
     resolve_checkpoint_folder("default")  # the real GGUF is on disk: damage a copy of it

@@ -172,6 +172,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "minillm.infer", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_json_and_streaming_agree():
     json_run = run_cli("--prompt", "What is the capital of France? Answer in one sentence.", "--json",
                        "--max-new-tokens", "24")

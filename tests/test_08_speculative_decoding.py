@@ -211,6 +211,7 @@ def exact_marginals(model, prompt, config, n_tokens):
     return marginals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter_kind", ["model", "prompt-lookup"])
 def test_speculative_sampling_matches_plain_sampling_statistically(drafter_kind):
     """Many seeded draws: the first four generated tokens follow the target's exact marginals (chi-square)."""

@@ -233,7 +233,7 @@ def test_leaving_the_loop_stops_the_generation(tiny_with_gpt2_tokens):
     for _ in s:
         break
     assert threading.active_count() == threads_before and s.result is None
-    assert len(s.generation.states[0].token_ids) < 10  # nothing was computed after the loop left
+    assert len(s.generation.seqs[0].generated) < 10  # nothing was computed after the loop left
 
 
 def test_streamer_works_with_a_user_thread(tiny_with_gpt2_tokens):

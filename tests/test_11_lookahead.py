@@ -328,7 +328,7 @@ def test_after_each_round_the_cache_holds_exactly_the_accepted_sequence(tiny, ca
         result = decoder.round()
         rejected_siblings += len(result.drafted) > result.accepted
         held = decoder.sequence[:-1]
-        assert decoder.session.rows[0] == held
+        assert decoder.runner.held(decoder.seq) == held
         fresh = DecodeSession(model, cache, max_len=64)
         fresh.prefill([held])
         for layer in range(model.config.n_layer):

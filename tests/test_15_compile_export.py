@@ -55,6 +55,7 @@ def decode_logits(model, prompt: list[int], steps: int, fixed_shape: bool, max_l
 # ------------------------------------------------------------------ compiled decode step
 
 
+@pytest.mark.slow
 def test_compiled_matches_eager_and_never_recompiles(tiny_llama):
     model, compiled = tiny_llama
     gen = torch.Generator().manual_seed(0)
@@ -72,6 +73,7 @@ def test_compiled_matches_eager_and_never_recompiles(tiny_llama):
     assert compiled.eager_calls == 0 and compiled.compile_seconds > 0
 
 
+@pytest.mark.slow
 def test_generate_compile_true_gives_the_eager_text(tiny_llama):
     model, _ = tiny_llama
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]
@@ -81,6 +83,7 @@ def test_generate_compile_true_gives_the_eager_text(tiny_llama):
     assert compile_model(model).graphs >= 2  # the cached twin did the work
 
 
+@pytest.mark.slow
 def test_compiled_verify_chunk_gives_every_positions_logits(tiny_llama):
     """T > 1 new tokens with logits at each (speculative verification) go through the chunk graph."""
     model, compiled = tiny_llama
@@ -124,6 +127,7 @@ def tiny_export(tmp_path_factory):
     return model, folder
 
 
+@pytest.mark.slow
 def test_exported_graphs_have_the_promised_inputs_and_outputs(tiny_export):
     import onnx
 
@@ -190,6 +194,7 @@ def test_onnx_runner_refuses_what_the_export_cannot_run(tiny_export, tmp_path):
         OnnxRunner(broken)
 
 
+@pytest.mark.slow
 def test_export_cli_reports_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "minillm.export", "run", str(tmp_path), "--prompt", "hi"],
                             capture_output=True, text=True, timeout=120)

@@ -114,6 +114,7 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@pytest.mark.slow
 def test_split_model_is_joined_verified_and_refused_when_corrupt(tmp_path, home, monkeypatch):
     data = os.urandom(3000)
     pieces, parts = [data[:1000], data[1000:2200], data[2200:]], []

@@ -128,6 +128,7 @@ def run_checks(*options: str) -> dict[str, int]:
     return counts | {"output": result.stdout[-5000:]}
 
 
+@pytest.mark.slow
 def test_every_check_passes_on_the_worked_solutions():
     counts = run_checks("--solutions")
     assert not counts.get("failed") and not counts.get("errors") and not counts.get("error"), counts["output"]
@@ -135,6 +136,7 @@ def test_every_check_passes_on_the_worked_solutions():
     assert counts.get("passed", 0) >= 3 * len(LESSONS), counts["output"]
 
 
+@pytest.mark.slow
 def test_every_check_skips_without_an_answer():
     """The committed answer files are stubs: every check skips (a check that passes on a stub cannot fail)."""
     counts = run_checks()

@@ -368,6 +368,7 @@ print(float(model.tok_emb.weight.double().sum()))
 """
 
 
+@pytest.mark.slow
 def test_concurrent_first_runs_both_succeed(tmp_path, home):
     gguf_path = tmp_path / "model.gguf"
     tensors = write_tiny_gguf(gguf_path, seed=8)

@@ -150,6 +150,7 @@ def test_ctrl_c_while_starting_is_one_line():
     assert process.returncode == 130 and "Traceback" not in err and err.strip() == "minillm: interrupted"
 
 
+@pytest.mark.slow
 def test_leaving_a_stream_early_then_exiting_is_clean():
     script = ("from minillm.strategies.streaming import stream\nfrom minillm.model.tiny import tiny_pair\n"
               "from minillm.model.tokenizer import gpt2_tokenizer\n"

@@ -17,7 +17,7 @@ The one forward every lesson uses:
 
 The caller owns positions and the mask (so batches of rows with different
 lengths, speculative and tree verification and sliding windows all use the same
-call; `minillm.runtime.session` is the caller every strategy shares); the cache owns the
+call; `minillm.runtime.runner` is the caller every strategy shares); the cache owns the
 keys and values stored so far (`minillm.cache.kv_cache`); the attention kernel is a
 swappable backend (`minillm.model.attention`, SDPA by default).
 

@@ -33,11 +33,11 @@ when it fills the model's context: the engine does not slide a window over it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..cache.paged import BlockManager, PackedSequences, PagedAttention, PagedKVCache, blocks_for
+from ..cache.paged import BlockManager, PackedSequences, blocks_for
 from ..decoding.outputs import (
     GenerationEvent,
     GenerationOutput,
@@ -46,34 +46,10 @@ from ..decoding.outputs import (
     check_prompts,
     encode_prompts,
 )
-from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows, row_configs
-from ..decoding.stopping import RowState
+from ..decoding.sampling import SamplingConfig, row_configs
+from .runner import ModelRunner
 from .scheduler import Scheduler
-
-
-@dataclass
-class Request:
-    """One request's whole life in the engine."""
-
-    id: int
-    prompt_ids: list[int]
-    config: SamplingConfig
-    state: RowState  # generated tokens, text, finish reason
-    generator: torch.Generator | None  # its own random stream (None when greedy)
-    history: TokenHistory | None  # what its penalties read (None without penalties)
-    tokens: list[int]  # prompt + generated: every token the sequence holds
-    computed: int = 0  # leading tokens whose keys are in the pool
-    preemptions: int = 0
-    arrival_time: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # when each generated token was produced
-    finish_time: float | None = None
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.state.max_new_tokens
-
-    def output(self) -> RowOutput:
-        return RowOutput.from_state(self.state)
+from .sequence import Sequence, sample_next
 
 
 @dataclass
@@ -115,8 +91,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.manager = BlockManager(num_blocks, block_size, hash_fn, prefix_caching)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
-        self.requests: dict[int, Request] = {}
+        self.runner = ModelRunner(model, cache="paged", num_blocks=num_blocks, block_size=block_size)
+        self.requests: dict[int, Sequence] = {}
         self.timeline: list[StepRecord] = []
         self.forward_passes = 0
         self._next_id = 0
@@ -150,16 +126,13 @@ class Engine:
                              f"but the pool has {self.manager.num_blocks}: lower max_new_tokens or build a larger "
                              f"pool (num_blocks / kv_cache_mb)")
         request_id, self._next_id = self._next_id, self._next_id + 1
-        state = RowState.for_config(prompt_ids, config.with_(max_new_tokens=max_new), self.tokenizer)
-        (generator,) = generators_for([config], self.model.device)
-        history = (TokenHistory.from_prompts([prompt_ids], self.model.config.vocab_size, self.model.device)
-                   if config.uses_penalties else None)
-        request = Request(request_id, list(prompt_ids), config, state, generator, history, list(prompt_ids),
-                          arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        request = Sequence.create(prompt_ids, config.with_(max_new_tokens=max_new), tokenizer=self.tokenizer,
+                                  vocab_size=self.model.config.vocab_size, device=self.model.device, id=request_id,
+                                  **({} if arrival_time is None else {"arrival_time": arrival_time}))
         self.requests[request_id] = request
-        if state.finished:  # max_new_tokens == 0: nothing to compute, one event to report it (as `generate` does)
+        if request.finished:  # max_new_tokens == 0: nothing to compute, one event to report it (as `generate` does)
             request.finish_time = request.arrival_time
-            self._pending.append(GenerationEvent(request_id, [], "", state.finish_reason))
+            self._pending.append(request.event([]))
         else:
             self.scheduler.add(request)
         return request_id
@@ -167,12 +140,11 @@ class Engine:
     def abort(self, request_id) -> None:
         """Stop a request now and free its blocks (finish reason "abort"); the others go on."""
         request = self._request(request_id)
-        if request.state.finished:
+        if request.finished:
             raise ValueError(f"request {request_id} already finished ({request.state.finish_reason}): "
                              f"there is nothing to abort")
         self.scheduler.remove(request)
-        request.state.finish_reason = "abort"
-        request.finish_time = time.perf_counter()
+        request.finish("abort")
 
     def output(self, request_id) -> RowOutput:
         """The request's tokens and text so far (final once it has finished)."""
@@ -186,7 +158,7 @@ class Engine:
         memory would grow with every request served.
         """
         request = self._request(request_id)
-        if not request.state.finished:
+        if not request.finished:
             raise ValueError(f"request {request_id} is still running: abort it first, or release it once it "
                              f"has finished")
         del self.requests[request_id]
@@ -196,7 +168,7 @@ class Engine:
         """Whether `step()` has anything left to do or report."""
         return self.scheduler.has_unfinished or bool(self._pending)
 
-    def _request(self, request_id) -> Request:
+    def _request(self, request_id) -> Sequence:
         if request_id not in self.requests:
             raise ValueError(f"unknown request {request_id!r}: add_request returns the ids this engine knows "
                              f"({len(self.requests)} so far)")
@@ -212,7 +184,6 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.work:
             return events
-        PagedAttention.install(self.model)  # idempotent: a backend swapped in since is wrapped again
         requests = [r for r, _ in plan.work]
         counts = [n for _, n in plan.work]
         device = self.model.device
@@ -224,43 +195,18 @@ class Engine:
                             if len(r.tokens) > len(r.prompt_ids) and r.computed == len(r.tokens) - 1)
         # A request whose tokens are all fed after this step has a next token to draw.
         ready = [i for i, (r, n) in enumerate(plan.work) if r.computed + n == len(r.tokens)]
-        self.cache.begin_step(packed)
-        logits = self.model(tokens[None], packed.positions[None], cache=self.cache, packed=packed,
-                            logits_at=packed.last_tokens[ready][None])[0]  # [len(ready), V]
+        logits = self.runner.step(packed, tokens, packed.last_tokens[ready])  # [len(ready), V]
         self.forward_passes += 1
         for r, n in plan.work:
             r.computed += n
-        if ready:
-            events += self._sample([requests[i] for i in ready], logits)
+        ready_requests = [requests[i] for i in ready]
+        for request, token in zip(ready_requests, sample_next(ready_requests, logits) if ready else []):
+            request.append(token)
+            events.append(request.event([token]))
+            if request.finished:
+                self.scheduler.remove(request)
         self._record(start, plan, decode_tokens)
         return events
-
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[GenerationEvent]:
-        configs = [r.config for r in requests]
-        history = self._stacked_history(requests)
-        next_tokens = choose_rows(process_rows(logits, configs, history), configs, [r.generator for r in requests])
-        now = time.perf_counter()
-        events = []
-        for request, token in zip(requests, next_tokens.tolist()):
-            request.tokens.append(token)
-            request.token_times.append(now)
-            if request.history is not None:
-                request.history.add(torch.tensor([token], device=self.model.device))
-            request.state.push(token)
-            events.append(GenerationEvent(request.id, [token], request.state.new_text(), request.state.finish_reason))
-            if request.state.finished:
-                self.scheduler.remove(request)
-                request.finish_time = now
-        return events
-
-    def _stacked_history(self, requests: list[Request]) -> TokenHistory | None:
-        """The penalties' tables for this batch (rows without penalties read zeros they ignore)."""
-        if all(r.history is None for r in requests):
-            return None
-        V, device = self.model.config.vocab_size, self.model.device
-        empty = TokenHistory.from_prompts([[]], V, device)
-        rows = [r.history or empty for r in requests]
-        return TokenHistory(torch.cat([h.seen for h in rows]), torch.cat([h.generated_counts for h in rows]))
 
     def _record(self, start: float, plan, decode_tokens: int) -> None:
         running, m = self.scheduler.running, self.manager
@@ -321,4 +267,4 @@ def generate_continuous(model, prompts, config=None, *, tokenizer=None, arrivals
     return GenerationOutput(outputs, stats)
 
 
-__all__ = ["Engine", "Request", "StepRecord", "generate_continuous", "kv_bytes_per_token"]
+__all__ = ["Engine", "StepRecord", "generate_continuous", "kv_bytes_per_token"]

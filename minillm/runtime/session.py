@@ -1,8 +1,9 @@
-"""The decode session: the one object every decoding strategy drives.
+"""The decode session: a batch of rows over a contiguous KV cache, with their positions and masks.
 
 A session holds a batch of rows (token sequences) and whatever makes the next forward
-cheap: the KV cache, each row's length, the positions and masks. Strategies speak to
-it in five verbs and never touch a tensor of the cache themselves:
+cheap: the KV cache, each row's length, the positions and masks. The model runner
+(`minillm.runtime.runner`) drives it for every strategy, in five verbs, and nobody
+touches a tensor of the cache themselves:
 
     logits = session.prefill(rows)                # [B, V]: next-token logits after each prompt
     logits = session.extend(tokens, tree=None)    # [B, T, V]: logits after each of T new tokens per row

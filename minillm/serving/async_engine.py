@@ -133,7 +133,7 @@ class AsyncEngine:
             request = self.engine.requests.get(request_id)
             if request is None:  # finished and released already
                 continue
-            if not request.state.finished:
+            if not request.finished:
                 self.engine.abort(request_id)
                 self.aborted += 1
             self.engine.release(request_id)

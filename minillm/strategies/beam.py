@@ -29,7 +29,7 @@ The rules follow transformers' `generate(num_beams=..., do_sample=False)` exactl
     hypothesis is scored at the longest length it could reach (the exact bound).
 * Generation stops when every prompt is done or `max_new_tokens` is reached.
 
-The cache follows the beams through the decode session's `select`: the prompt is
+The cache follows the beams through the runner's `select`: the prompt is
 prefilled once per prompt and copied to its beams, and each step gathers every
 surviving beam's rows (a beam chosen twice is duplicated, an abandoned one dropped),
 as do finished prompts.
@@ -46,7 +46,8 @@ import torch
 from ..decoding.outputs import GenerationOutput, GenerationStats, RowOutput, check_prompts, encode_prompts
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import RowState, eos_ids
-from ..runtime.session import DecodeSession
+from ..runtime.runner import ModelRunner
+from ..runtime.sequence import Sequence
 from .generate import generate
 
 EARLY_STOPPING = (True, False, "never")
@@ -146,11 +147,16 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     t_start = time.perf_counter()
     n_prompts, vocab = len(prompt_ids), model.config.vocab_size
     candidates = max(2, 1 + len(eos)) * num_beams  # enough that num_beams unfinished ones remain
-    session = DecodeSession(model, cache, max_len=longest + config.max_new_tokens, max_batch=n_prompts * num_beams)
-    logits = session.prefill(prompt_ids)  # [P, V]: one forward per prompt, then copied to its beams
+    runner = ModelRunner(model, cache=cache, max_len=longest + config.max_new_tokens, max_batch=n_prompts * num_beams)
+
+    def hypotheses(token_lists):  # each beam is a sequence of its own: its prompt and its new tokens
+        return [Sequence.create(ids, config, vocab_size=vocab) for ids in token_lists]
+
+    logits = runner.prefill(hypotheses(prompt_ids))  # [P, V]: one forward per prompt, then copied to its beams
     stats.forward_passes += 1
     logits = logits.repeat_interleave(num_beams, dim=0)  # [P * num_beams, V]
-    session.select(torch.arange(n_prompts).repeat_interleave(num_beams))
+    runner.select(torch.arange(n_prompts).repeat_interleave(num_beams),
+                  hypotheses([ids for ids in prompt_ids for _ in range(num_beams)]))
     first_scores = torch.full((num_beams,), EXCLUDED)
     first_scores[0] = 0.0  # all beams are the same prompt: only the first may expand at step 1
     searches = [_Prompt(ids, [[] for _ in range(num_beams)], first_scores.clone()) for ids in prompt_ids]
@@ -168,7 +174,7 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
         running_scores = top_scores + hits.float() * EXCLUDED
         next_scores, next_rank = running_scores.topk(num_beams, dim=-1)  # [A, beams]
 
-        sources, next_tokens = [], []
+        sources, next_tokens, next_beams = [], [], []
         for a, search in enumerate(active):
             beam_of, token_of, ranks = source_beam[a].tolist(), token[a].tolist(), next_rank[a].tolist()
             for k in range(num_beams):  # only the top num_beams candidates may finish
@@ -181,12 +187,14 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
             if not search.done:
                 sources += [a * num_beams + beam_of[r] for r in ranks]
                 next_tokens += [token_of[r] for r in ranks]
+                next_beams += [search.prompt_ids + beam for beam in search.beams]
         if stats.forward_passes == 1:
             stats.prefill_seconds = time.perf_counter() - t_start
         if at_length or not sources:
             break
-        session.select(sources)  # the cache rows follow their beams: duplicated, kept or dropped
-        logits = session.extend(torch.tensor(next_tokens, device=model.device)[:, None])[:, -1]
+        beams = hypotheses(next_beams)
+        runner.select(sources, beams)  # the cache rows follow their beams: duplicated, kept or dropped
+        logits = runner.decode(beams)  # each beam's newest token
         stats.forward_passes += 1
         stats.decode_tokens += len(next_tokens)
 

@@ -9,10 +9,12 @@
     for event in generate(model, prompts, tokenizer=tok, stream=True):   # the same run, as it happens
         print(event.row, event.text, end="")
 
-The loop is a few lines over a `DecodeSession` (`minillm.runtime.session`): the session owns the
-batch's rows, the KV cache, positions and masks; this module only chooses tokens
-(`minillm.decoding.sampling`) and decides when rows stop (`minillm.decoding.stopping`). Every row may
-carry its own settings (pass a list of configs): a server batches requests that way.
+The loop is a few lines over a `ModelRunner` (`minillm.runtime.runner`), which owns the KV
+cache, the rows, positions and masks, and how the model runs (eager or compiled graphs).
+Each prompt is a `Sequence` (`minillm.runtime.sequence`) carrying its own settings, random
+stream and stop state: this module only asks the runner for logits, draws each sequence's
+next token and lets finished ones leave. Pass a list of configs for one per row: a server
+batches requests that way.
 
 The context window. A model only knows `block_size` positions. When a row outgrows
 it, its window (the tokens the model sees) moves forward by `window_slide` tokens
@@ -29,20 +31,11 @@ import time
 
 import torch
 
-from ..decoding.outputs import (
-    GenerationEvent,
-    GenerationOutput,
-    GenerationStats,
-    RowOutput,
-    check_prompts,
-    drain,
-    encode_prompts,
-)
-from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows, row_configs
-from ..decoding.stopping import RowState
+from ..decoding.outputs import GenerationOutput, GenerationStats, check_prompts, drain, encode_prompts
+from ..decoding.sampling import SamplingConfig, row_configs
 from ..runtime.batching import length_sorted_chunks
-from ..runtime.session import DecodeSession
-from ..speed.compile import compile_model, context_bucket
+from ..runtime.runner import ModelRunner
+from ..runtime.sequence import Sequence, sample_next
 
 
 def sliding_window_start(length: int, start: int, block_size: int, slide: int) -> int:
@@ -64,24 +57,17 @@ class Generation:
                  window_slide: int = 1, compile: bool = False, **config_overrides):
         if window_slide < 1:
             raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
-        if compile and cache != "static":
-            raise ValueError(f"compile=True runs over the static cache, not cache={cache!r}: use cache='static'")
-        if compile:
-            model = compile_model(model)
         self.model, self.tokenizer, self.window_slide = model, tokenizer, window_slide
-        self.prompt_ids = encode_prompts(prompts, tokenizer)
-        check_prompts(self.prompt_ids, model.config.block_size, model.config.vocab_size)
-        self.configs = row_configs(config, len(self.prompt_ids), config_overrides)
-        if any(c.stop for c in self.configs) and tokenizer is None:
+        prompt_ids = encode_prompts(prompts, tokenizer)
+        check_prompts(prompt_ids, model.config.block_size, model.config.vocab_size)
+        configs = row_configs(config, len(prompt_ids), config_overrides)
+        if any(c.stop for c in configs) and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
-        self.states = [RowState.for_config(ids, c, tokenizer) for ids, c in zip(self.prompt_ids, self.configs)]
-        longest = max(len(p) + c.max_new_tokens for p, c in zip(self.prompt_ids, self.configs))
-        if compile:  # one cache length per bucket, so most runs reuse the graphs already compiled
-            self.session = DecodeSession(model, cache, max_len=context_bucket(longest, model.config.block_size),
-                                         fixed_shape=True)
-        else:
-            self.session = DecodeSession(model, cache, max_len=longest)
-        self.stats = GenerationStats(prompt_tokens=sum(map(len, self.prompt_ids)))
+        longest = max(len(p) + c.max_new_tokens for p, c in zip(prompt_ids, configs))
+        self.runner = ModelRunner(model, cache=cache, graph="compiled" if compile else "eager", max_len=longest)
+        self.seqs = [Sequence.create(ids, c, tokenizer=tokenizer, vocab_size=model.config.vocab_size,
+                                     device=model.device, id=row) for row, (ids, c) in enumerate(zip(prompt_ids, configs))]
+        self.stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)))
         self.output: GenerationOutput | None = None
         self.started = False
 
@@ -90,57 +76,36 @@ class Generation:
         if self.started:
             raise RuntimeError("a Generation runs once: call generate() again for another run")
         self.started = True
-        states, session, block = self.states, self.session, self.model.config.block_size
+        runner, block = self.runner, self.model.config.block_size
         t_start = time.perf_counter()
-        for row, state in enumerate(states):
-            if state.finished:  # max_new_tokens == 0
-                yield GenerationEvent(row, [], "", state.finish_reason)
-        active = [r for r, s in enumerate(states) if not s.finished]  # prompt index of each session row
-        sequences = [list(ids) for ids in self.prompt_ids]  # each row's whole text so far, in token ids
-        starts = [0] * len(sequences)  # where each row's context window begins
-        configs = [self.configs[r] for r in active]
-        generators = generators_for(configs, self.model.device)
-        history = TokenHistory.from_prompts([self.prompt_ids[r] for r in active], self.model.config.vocab_size,
-                                            self.model.device) if any(c.uses_penalties for c in configs) else None
-        logits = session.prefill([sequences[r] for r in active]) if active else None  # [B, V]
+        for seq in self.seqs:
+            if seq.finished:  # max_new_tokens == 0
+                yield seq.event([])
+        active = [s for s in self.seqs if not s.finished]
+        logits = runner.prefill(active) if active else None  # [B, V]
         t_first = None
         while active:
             self.stats.forward_passes += 1
-            next_tokens = choose_rows(process_rows(logits, configs, history), configs, generators)  # [B]
-            if history is not None:
-                history.add(next_tokens)
-            events = []
-            for r, token in zip(active, next_tokens.tolist()):
-                states[r].push(token)
-                sequences[r].append(token)
-                events.append(GenerationEvent(r, [token], states[r].new_text(), states[r].finish_reason))
+            for seq, token in zip(active, sample_next(active, logits)):
+                seq.append(token)
             if t_first is None:
                 t_first = time.perf_counter()
                 self.stats.prefill_seconds = t_first - t_start
-            yield from events
-            keep = [i for i, r in enumerate(active) if not states[r].finished]
-            if len(keep) < len(active):  # finished rows leave the batch
-                if not keep:
-                    break
-                index = torch.tensor(keep, device=self.model.device)
-                session.select(index)
-                next_tokens, configs = next_tokens[index], [configs[i] for i in keep]
-                generators = [generators[i] for i in keep]
-                history = history.select(index) if history is not None else None
-                active = [active[i] for i in keep]
+            yield from [seq.event([seq.tokens[-1]]) for seq in active]
+            active = [s for s in active if not s.finished]  # finished rows leave the batch
+            if not active:
+                break
             slid = False
-            for r in active:
-                new_start = sliding_window_start(len(sequences[r]), starts[r], block, self.window_slide)
-                slid |= new_start != starts[r]
-                starts[r] = new_start
-            if slid:  # a row outgrew the context: every row restarts from its window
-                logits = session.prefill([sequences[r][starts[r]:] for r in active])
-            else:
-                logits = session.extend(next_tokens[:, None])[:, -1]
+            for seq in active:
+                start = sliding_window_start(len(seq.tokens), seq.window_start, block, self.window_slide)
+                slid |= start != seq.window_start
+                seq.window_start = start
+            # A row that outgrew the context restarts every row from its window; else one token each.
+            logits = runner.prefill(active) if slid else runner.decode(active)
         if t_first is not None:
             self.stats.decode_seconds = time.perf_counter() - t_first
-        self.stats.decode_tokens = sum(max(len(s.token_ids) - 1, 0) for s in states)
-        self.output = GenerationOutput([RowOutput.from_state(s) for s in states], self.stats)
+        self.stats.decode_tokens = sum(max(len(s.generated) - 1, 0) for s in self.seqs)
+        self.output = GenerationOutput([s.output() for s in self.seqs], self.stats)
 
 
 def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | None = None, *, tokenizer=None,

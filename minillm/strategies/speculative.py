@@ -48,7 +48,6 @@ from typing import Protocol
 import torch
 
 from ..decoding.outputs import (
-    GenerationEvent,
     GenerationOutput,
     GenerationStats,
     RowOutput,
@@ -61,12 +60,12 @@ from ..decoding.sampling import (
     TokenHistory,
     choose_next,
     process_logits,
-    row_generators,
     sample_from_probs,
 )
-from ..decoding.stopping import RowState
 from ..model.loading import resolve_dtype
-from ..runtime.session import DecodeSession, Tree
+from ..runtime.runner import ModelRunner
+from ..runtime.sequence import Sequence
+from ..runtime.session import Tree
 from ..speed.load import load_model
 
 DRAFTERS = ("model", "prompt-lookup")
@@ -210,9 +209,9 @@ class PromptLookup:
 
 
 class DraftModel:
-    """A smaller model with the target's tokenizer drafts autoregressively, in its own decode session.
+    """A smaller model with the target's tokenizer drafts autoregressively, on its own runner and cache.
 
-    Its session always holds a prefix of the sequence (plus, while drafting, its own
+    Its cache always holds a prefix of the sequence (plus, while drafting, its own
     guesses): `rollback` forgets what the target rejected and `propose` first feeds the
     tokens it has not seen (the prompt on the first call, then the one or two tokens the
     target added).
@@ -220,26 +219,28 @@ class DraftModel:
 
     def __init__(self, model, tokenizer=None, cache: str = "static"):
         self.model, self.tokenizer, self.cache_kind = model, tokenizer, cache
-        self.session = None
+        self.runner = self.seq = None  # the draft's own runner, and its sequence: what the draft's cache holds
 
     @property
     def cached(self) -> list[int]:
-        """The token ids the draft's session holds."""
-        return self.session.rows[0] if self.session is not None and self.session.rows else []
+        """The token ids the draft's cache holds."""
+        return self.runner.held(self.seq) if self.seq is not None else []
 
     @property
     def cache(self):
-        return self.session.cache
+        return self.runner.session.cache
 
     def begin(self, target, tokenizer, max_len):
         check_same_vocabulary(self.model, self.tokenizer, target, tokenizer)
-        self.session = DecodeSession(self.model, self.cache_kind, max_len)
+        self.runner, self.seq = ModelRunner(self.model, cache=self.cache_kind, max_len=max_len), None
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
         """Feed tokens after the held ones; next-token logits [1, V]."""
-        if not self.session.rows:
-            return self.session.prefill([tokens])
-        return self.session.extend([tokens])[:, -1]
+        if self.seq is None:
+            self.seq = Sequence.create(tokens, SamplingConfig(), vocab_size=self.model.config.vocab_size)
+            return self.runner.prefill([self.seq])
+        self.seq.tokens.extend(tokens)
+        return self.runner.feed([self.seq], [tokens])[:, -1]
 
     def propose(self, sequence, n, config, history, generator):
         self.rollback(sequence)
@@ -265,7 +266,8 @@ class DraftModel:
             keep += 1
         keep = min(keep, len(sequence) - 1)  # always leave the newest token to feed
         if keep < len(self.cached):
-            self.session.rollback([keep])
+            self.runner.rollback([self.seq], [keep])
+            del self.seq.tokens[keep:]
 
 
 def check_same_vocabulary(draft, draft_tokenizer, target, target_tokenizer) -> None:
@@ -358,9 +360,9 @@ class Round:
 class SpeculativeDecoder:
     """One prompt, one target, one drafter. `prefill()` emits the first token; each
     `round()` drafts, verifies with one target forward, emits 1..k+1 tokens and rolls
-    both sessions back to exactly the tokens kept.
+    both caches back to exactly the tokens kept.
 
-    Invariant between rounds: the target's session holds every token of `sequence` but
+    Invariant between rounds: the target's cache holds every token of `sequence` but
     the last one (whose logits are what the next verify forward starts from).
     """
 
@@ -385,14 +387,14 @@ class SpeculativeDecoder:
         if config.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
         self.model, self.drafter, self.config, self.k = model, drafter, config, num_draft_tokens
-        self.state = RowState.for_config(prompt_ids, config, tokenizer)
-        self.sequence = list(prompt_ids)
+        # The drafters read the penalties' history whatever the settings: the sequence always keeps one.
+        self.seq = Sequence.create(prompt_ids, config, tokenizer=tokenizer, vocab_size=model.config.vocab_size,
+                                   device=model.device, history=True, id=0)
         max_len = len(prompt_ids) + config.max_new_tokens
-        self.session = DecodeSession(model, cache, max_len)
+        self.runner = ModelRunner(model, cache=cache, max_len=max_len)
         drafter.begin(model, tokenizer, max_len)
-        self.history = TokenHistory.from_prompts([self.sequence], model.config.vocab_size, model.device)
-        self.generators = row_generators(config, 1)
-        self.target_generator = self.generators[0] if self.generators else None
+        self.target_generator = self.seq.generator
+        self.generators = None if self.target_generator is None else [self.target_generator]
         # The drafter's random stream must be independent of the target's, and seeding it must not
         # consume the target's: a tree round then draws exactly what plain sampling draws.
         self.draft_generator = None if self.target_generator is None else independent_stream(self.target_generator)
@@ -406,21 +408,32 @@ class SpeculativeDecoder:
 
     @property
     def finished(self) -> bool:
-        return self.state.finished
+        return self.seq.finished
+
+    @property
+    def state(self):
+        return self.seq.state
+
+    @property
+    def sequence(self) -> list[int]:
+        """Prompt and every token emitted so far (what the drafters read)."""
+        return self.seq.tokens
+
+    @property
+    def history(self):
+        return self.seq.history
 
     @property
     def cache(self):
-        return self.session.cache
+        return self.runner.session.cache
 
     def _emit(self, token: int) -> None:
-        self.state.push(token)
-        self.sequence.append(token)
-        self.history.add(torch.tensor([token], device=self.history.seen.device))
+        self.seq.append(token)
 
     @torch.inference_mode()
     def prefill(self) -> int:
         """Forward the prompt, emit the first token exactly as plain decoding does."""
-        logits = self.session.prefill([self.sequence])  # [1, V]
+        logits = self.runner.prefill([self.seq])  # [1, V]
         token = int(choose_next(process_logits(logits, self.config, self.history), self.config, self.generators))
         self._emit(token)
         return token
@@ -450,7 +463,7 @@ class SpeculativeDecoder:
     def _verify_chain(self, draft: Draft) -> Round:
         """k drafted tokens in a row: accept while the target agrees (lesson 08's rule), then crop."""
         drafted = draft.tokens
-        logits = self.session.extend([[self.sequence[-1], *drafted]])[0]  # [k + 1, V]: p after each verified token
+        logits = self.runner.verify([self.seq], [drafted])[0]  # [k + 1, V]: p after each verified token
         self.fed += len(drafted) + 1
         emitted, accepted = [], 0
         for i in range(len(drafted) + 1):
@@ -465,7 +478,7 @@ class SpeculativeDecoder:
             emitted.append(token)
             if self.finished or not ok:
                 break
-        self.session.rollback([len(self.sequence) - 1])  # drop the rejected drafts' keys and values
+        self.runner.rollback([self.seq])  # drop the rejected drafts' keys and values
         return Round(drafted, accepted, emitted, depth=len(drafted))
 
     def _verify_tree(self, draft: Draft) -> Round:
@@ -479,8 +492,8 @@ class SpeculativeDecoder:
         """
         parents = [-1, *draft.parents]
         tree = Tree.from_parents(parents)
-        before = len(self.sequence) - 1  # tokens the session holds; the root is the sequence's last token
-        logits = self.session.extend([[self.sequence[-1], *draft.tokens]], tree)[0]  # [T, V]: p at each node
+        before = len(self.sequence) - 1  # tokens the cache holds; the root is the sequence's last token
+        logits = self.runner.verify([self.seq], [draft.tokens], tree)[0]  # [T, V]: p at each node
         self.fed += len(parents)
         children: dict[int, dict[int, int]] = {}
         for node, parent in enumerate(parents[1:], start=1):
@@ -495,8 +508,8 @@ class SpeculativeDecoder:
             if node is None or self.finished:
                 break
             path.append(node)
-        keep = path[: len(self.sequence) - 1 - before]  # the session holds every token but the newest
-        self.session.keep_positions(0, list(range(before)) + [before + i for i in keep])
+        keep = path[: len(self.sequence) - 1 - before]  # the cache holds every token but the newest
+        self.runner.keep_path(self.seq, list(range(before)) + [before + i for i in keep])
         return Round(draft.tokens, len(emitted) - 1 if node is None else len(emitted), emitted,
                      depth=int(tree.depth.max()))
 
@@ -562,10 +575,10 @@ class SpeculativeGeneration:
             token = decoder.prefill()
             t_first = time.perf_counter()
             stats.prefill_seconds = t_first - t_start
-            yield GenerationEvent(0, [token], state.new_text(), state.finish_reason)
+            yield decoder.seq.event([token])
             while not decoder.finished:
                 emitted = decoder.round().emitted
-                yield GenerationEvent(0, emitted, state.new_text(), state.finish_reason)
+                yield decoder.seq.event(emitted)
             stats.decode_seconds = time.perf_counter() - t_first
             stats.decode_tokens = len(state.token_ids) - 1
             stats.forward_passes = 1 + decoder.verify_forwards
@@ -573,7 +586,7 @@ class SpeculativeGeneration:
             if hasattr(decoder.drafter, "end"):
                 decoder.drafter.end(decoder.sequence, self.prompt_length)
         else:
-            yield GenerationEvent(0, [], "", state.finish_reason)
+            yield decoder.seq.event([])
         self.output = GenerationOutput([RowOutput.from_state(state)], stats)
 
 

@@ -1,0 +1,141 @@
+"""The model runner: the one place every decoding path calls the model, for a batch of `Sequence`s.
+
+    runner = ModelRunner(model, cache="static", graph="eager", max_len=512)
+    logits = runner.prefill(seqs)               # [B, V]: next-token logits after each sequence's window
+    logits = runner.decode(seqs)                # [B, V]: after each sequence's newest token
+    logits = runner.verify(seqs, drafts, tree)  # [B, T, V]: after its newest token and each drafted one
+    runner.rollback(seqs)                       # forget what the sequences did not keep (rejected drafts)
+
+    engine_runner = ModelRunner(model, cache="paged", num_blocks=..., block_size=16)
+    logits = engine_runner.step(packed, tokens, ready)   # one continuous-batching forward (lesson 12)
+
+`generate`, speculative decoding, prompt lookup, lookahead, beam search and the engine all
+call a runner, so how the model runs (its cache, and its graph mode) is decided here, once:
+
+    cache   "static" (preallocated, lesson 06), "dynamic" (grows), "none" (recompute: the
+            baseline the cache is measured against), or "paged" (a block pool, lesson 12)
+    graph   "eager" (the model's own forward) or "compiled" (fixed-shape graphs over a static
+            cache of a bucketed length, lesson 15: `minillm.speed.compile`)
+
+For contiguous caches the runner keeps its rows in the order of the sequences it was last
+given; a step over fewer sequences (some finished) drops the others' rows, so a strategy
+only says which sequences go on. The rows, positions and masks themselves are the decode
+session's job (`minillm.runtime.session`); the paged cache's are the block manager's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
+from ..speed.compile import compile_model, context_bucket
+from .sequence import Sequence
+from .session import DecodeSession, Tree
+
+CACHES = ("static", "dynamic", "none", "paged")
+GRAPHS = ("eager", "compiled")
+
+
+class ModelRunner:
+    """Runs the model's prefill, decode and verify steps over one cache; see the module docstring."""
+
+    def __init__(self, model, *, cache: str = "static", graph: str = "eager", max_len: int | None = None,
+                 max_batch: int = 1, num_blocks: int | None = None, block_size: int = 16):
+        """max_len: the most tokens a sequence will hold (contiguous caches); max_batch: the most rows a
+        static cache is allocated for; num_blocks, block_size: the paged pool's size."""
+        if cache not in CACHES:
+            raise ValueError(f"cache={cache!r} is invalid: use one of {', '.join(CACHES)}")
+        if graph not in GRAPHS:
+            raise ValueError(f"graph={graph!r} is invalid: use one of {', '.join(GRAPHS)}")
+        if graph == "compiled" and cache != "static":
+            raise ValueError(f"compiled graphs run over the static cache, not cache={cache!r}: use cache='static'")
+        self.model, self.cache_kind, self.graph = model, cache, graph
+        self.rows: list[Sequence] = []  # the sequences the contiguous cache holds, in row order
+        if cache == "paged":
+            if num_blocks is None:
+                raise ValueError("a paged runner needs num_blocks (the pool's size)")
+            self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
+            self.session = None
+            return
+        context = model.config.block_size
+        if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already compiled
+            self.session = DecodeSession(compile_model(model), cache, context_bucket(max_len or context, context),
+                                         max_batch, fixed_shape=True)
+        else:
+            self.session = DecodeSession(model, cache, max_len, max_batch)
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def max_len(self) -> int:
+        return self.session.max_len
+
+    # ------------------------------------------------------------------ contiguous caches
+
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Start the cache over with these sequences' windows; next-token logits [B, V]."""
+        self.rows = list(seqs)
+        return self.session.prefill([s.window() for s in seqs])
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed each sequence's newest token; next-token logits [B, V]."""
+        self._keep(seqs)
+        return self.session.extend([[s.tokens[-1]] for s in seqs])[:, -1]
+
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], tree: Tree | None = None) -> torch.Tensor:
+        """Feed each sequence's newest token and its draft (a chain, or the nodes of `tree`); logits [B, T, V]
+        after each fed token. Drafts of one call have one length (a tree is one shape for every row)."""
+        self._keep(seqs)
+        return self.session.extend([[s.tokens[-1], *d] for s, d in zip(seqs, drafts)], tree)
+
+    def feed(self, seqs: list[Sequence], tokens: list[list[int]]) -> torch.Tensor:
+        """Feed these tokens after what the cache holds for each sequence (equal counts); logits [B, T, V]."""
+        self._keep(seqs)
+        return self.session.extend(tokens)
+
+    def held(self, seq: Sequence) -> list[int]:
+        """The token ids the cache holds for a sequence (what it was fed and has not rolled back)."""
+        return self.session.rows[self.rows.index(seq)] if seq in self.rows else []
+
+    def rollback(self, seqs: list[Sequence], lengths: list[int] | None = None) -> None:
+        """Cut each sequence's cache back to `lengths` (default: all of its tokens but the newest, which the
+        next step feeds): drafts the target rejected are forgotten."""
+        self._keep(seqs)
+        self.session.rollback([len(s.tokens) - 1 for s in seqs] if lengths is None else lengths)
+
+    def keep_path(self, seq: Sequence, positions: list[int]) -> None:
+        """Keep only the cache entries at these ascending positions of one sequence (a tree's accepted path)."""
+        self.session.keep_positions(self.rows.index(seq), positions)
+
+    def select(self, index, seqs: list[Sequence]) -> None:
+        """Rows follow `index` (kept, dropped or duplicated: beams) and then belong to `seqs`."""
+        self.session.select(index)
+        self.rows = list(seqs)
+
+    def _keep(self, seqs: list[Sequence]) -> None:
+        """Drop the rows of sequences no longer given (finished ones), keeping the rest in order."""
+        if len(seqs) == len(self.rows) and all(a is b for a, b in zip(seqs, self.rows)):
+            return
+        where = {id(s): i for i, s in enumerate(self.rows)}
+        if any(id(s) not in where for s in seqs):
+            raise ValueError("a sequence the runner does not hold: prefill it first")
+        index = [where[id(s)] for s in seqs]
+        if index != sorted(index):
+            raise ValueError("sequences must keep the order they were prefilled in (use select to reorder)")
+        self.session.select(torch.tensor(index, device=self.device))
+        self.rows = list(seqs)
+
+    # ------------------------------------------------------------------ the paged cache
+
+    def step(self, packed: PackedSequences, tokens: torch.Tensor, logits_at: torch.Tensor) -> torch.Tensor:
+        """One packed forward over the paged pool: tokens long [N] of several sequences back to back
+        (`packed` says whose and where); logits [K, V] at the row entries `logits_at` [K]."""
+        PagedAttention.install(self.model)  # idempotent: a backend swapped in since is wrapped again
+        self.cache.begin_step(packed)
+        return self.model(tokens[None], packed.positions[None], cache=self.cache, packed=packed,
+                          logits_at=logits_at[None])[0]
+
+
+__all__ = ["ModelRunner", "CACHES", "GRAPHS"]

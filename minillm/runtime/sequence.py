@@ -1,0 +1,117 @@
+"""One request's whole life: its tokens, settings, random stream, stop state, place in the cache and timings.
+
+Every path that decodes (`generate`, speculative decoding, lookahead, the continuous-batching
+engine and the server) keeps its requests as `Sequence`s and reports through `Sequence.event`,
+so a request's life is written once (nano-vllm's shape):
+
+    seq = Sequence.create(prompt_ids, config, tokenizer=tok, vocab_size=V, device=model.device)
+    logits = runner.prefill([seq])                     # the runner feeds seq.window()
+    token = sample_next([seq], logits)[0]              # with seq's own settings and random stream
+    seq.append(token)                                  # stop state, penalties' history, timings
+    event = seq.event([token])                         # what streamers, the CLI and the server adapt
+
+A sequence's tokens depend only on its prompt, settings and seed, never on which other
+sequences share its forwards: its generator and its penalties' history are its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..decoding.outputs import GenerationEvent, RowOutput
+from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows
+from ..decoding.stopping import RowState
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and everything generated for it; see the module docstring."""
+
+    prompt_ids: list[int]
+    config: SamplingConfig
+    state: RowState  # generated ids, final text, finish reason
+    generator: torch.Generator | None  # its own random stream (None when greedy)
+    history: TokenHistory | None  # what its penalties read: [1, V] tables (None without penalties)
+    id: int = field(default_factory=lambda: next(_ids))
+    tokens: list[int] = field(default_factory=list)  # prompt + generated: every token the sequence holds
+    window_start: int = 0  # the first token the model sees (the context window slides past the model's length)
+    computed: int = 0  # leading tokens whose keys are in a paged cache (the engine's bookkeeping)
+    preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)  # when each generated token was produced
+    finish_time: float | None = None
+
+    @classmethod
+    def create(cls, prompt_ids: list[int], config: SamplingConfig, *, tokenizer=None, vocab_size: int,
+               device=None, history: bool | None = None, **fields) -> "Sequence":
+        """A new sequence. history: keep the penalties' tables (default: when the config uses penalties)."""
+        keep_history = config.uses_penalties if history is None else history
+        (generator,) = generators_for([config], device)
+        return cls(list(prompt_ids), config, RowState.for_config(prompt_ids, config, tokenizer), generator,
+                   TokenHistory.from_prompts([prompt_ids], vocab_size, device) if keep_history else None,
+                   tokens=list(prompt_ids), **fields)
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    @property
+    def generated(self) -> list[int]:
+        return self.state.token_ids
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.state.max_new_tokens
+
+    def window(self) -> list[int]:
+        """The tokens the model sees: everything from the context window's start."""
+        return self.tokens[self.window_start:]
+
+    def append(self, token: int) -> None:
+        """Add one generated token: stop state, penalties' history and timings follow."""
+        now = time.perf_counter()
+        self.tokens.append(token)
+        self.token_times.append(now)
+        if self.history is not None:
+            self.history.add(torch.tensor([token], device=self.history.seen.device))
+        self.state.push(token)
+        if self.state.finished:
+            self.finish_time = now
+
+    def finish(self, reason: str) -> None:
+        """End the sequence from outside (the engine's "abort")."""
+        self.state.finish_reason = reason
+        self.finish_time = time.perf_counter()
+
+    def event(self, token_ids: list[int]) -> GenerationEvent:
+        """The one report every path gives: these new tokens, the text they made final, the finish reason."""
+        return GenerationEvent(self.id, token_ids, self.state.new_text(), self.state.finish_reason)
+
+    def output(self) -> RowOutput:
+        return RowOutput.from_state(self.state)
+
+
+def stacked_history(seqs: list[Sequence]) -> TokenHistory | None:
+    """The penalties' tables of a batch [B, V] (rows without penalties read zeros their config ignores)."""
+    if all(s.history is None for s in seqs):
+        return None
+    with_history = next(s.history for s in seqs if s.history is not None)
+    empty = TokenHistory(torch.zeros_like(with_history.seen), torch.zeros_like(with_history.generated_counts))
+    rows = [s.history or empty for s in seqs]
+    return TokenHistory(torch.cat([h.seen for h in rows]), torch.cat([h.generated_counts for h in rows]))
+
+
+def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Next-token logits [B, V] -> one token per sequence, each with its own settings and random stream."""
+    configs = [s.config for s in seqs]
+    processed = process_rows(logits, configs, stacked_history(seqs))
+    return choose_rows(processed, configs, [s.generator for s in seqs]).tolist()
+
+
+__all__ = ["Sequence", "sample_next", "stacked_history"]
