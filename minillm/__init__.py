@@ -30,8 +30,9 @@ if sys.argv[:1] == ["-m"]:  # started as `python -m minillm...`: a Ctrl-C while 
 
     signal.signal(signal.SIGINT, _interrupted_while_starting)
 
+from .model.config import ModelConfig  # noqa: E402
 from .model.fetch import ModelLoadError  # noqa: E402  (after the handler: these imports take a while)
-from .model.transformer import ModelConfig, Transformer  # noqa: E402
+from .model.transformer import Transformer
 from .speed.load import load_model  # noqa: E402
 from .strategies.generate import generate  # noqa: E402
 

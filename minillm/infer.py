@@ -292,8 +292,9 @@ def run(args) -> int:
 
         out = beam_search(model, texts, config, tokenizer=tokenizer, cache=args.cache, **beam)
     elif args.speculative:
+        from .strategies.drafters import make_drafter
         from .strategies.lookahead import Lookahead
-        from .strategies.speculative import make_drafter, speculative_generate
+        from .strategies.speculative import speculative_generate
 
         if args.speculative == "lookahead":
             drafter = Lookahead(**lookahead_options(args))

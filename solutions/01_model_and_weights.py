@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from minillm.model.transformer import ModelConfig
+from minillm.model.config import ModelConfig
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ import torch
 
 from minillm.cache.kv_cache import make_cache
 from minillm.decoding.sampling import SamplingConfig
-from minillm.strategies.speculative import Draft, SpeculativeDecoder
+from minillm.strategies.drafters import Draft
+from minillm.strategies.speculative import SpeculativeDecoder
 
 # ------------------------------------------------------------------ Exercise 1
 

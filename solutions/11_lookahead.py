@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.strategies.speculative import Draft
+from minillm.strategies.drafters import Draft
 
 # ------------------------------------------------------------------ Exercise 1
 

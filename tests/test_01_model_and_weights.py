@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from minillm import ModelLoadError, load_model
+from minillm.base.files import minillm_home
 from minillm.infer import main as cli_main
-from minillm.model.fetch import minillm_home
 from minillm.model.loading import DEFAULT_GGUF, resolve_checkpoint_folder
 from minillm.model.tiny import tiny_hf_model
 from minillm.model.transformer import causal_positions

@@ -220,7 +220,8 @@ def test_rope_table_grows_past_block_size_with_exact_angles():
     give the exact rotation there, and leave every position it already held unchanged."""
     import math
 
-    from minillm.model.transformer import ModelConfig, RopeTable
+    from minillm.model.config import ModelConfig
+    from minillm.model.transformer import RopeTable
 
     config = ModelConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, d_model=16, positions="rope",
                          norm="rmsnorm", mlp="swiglu")

@@ -18,21 +18,22 @@ from minillm.decoding.sampling import SamplingConfig, process_logits
 from minillm.infer import main as cli_main
 from minillm.model.tiny import tiny_pair
 from minillm.model.transformer import causal_positions
-from minillm.strategies.generate import generate
-from minillm.strategies.speculative import (
+from minillm.strategies.acceptance import (
+    acceptance_probability,
+    expected_tokens_per_round,
+    predicted_speedup,
+    residual_distribution,
+)
+from minillm.strategies.drafters import (
     Draft,
     DraftModel,
     PromptLookup,
-    SpeculativeDecoder,
-    acceptance_probability,
     check_same_vocabulary,
-    expected_tokens_per_round,
     load_draft,
-    predicted_speedup,
-    residual_distribution,
-    speculative_generate,
     truncated_draft,
 )
+from minillm.strategies.generate import generate
+from minillm.strategies.speculative import SpeculativeDecoder, speculative_generate
 
 KS = range(1, 9)
 TINY_PROMPT = [5, 17, 3, 42, 8, 5, 17, 3, 9, 61, 5, 17]  # repeats, so prompt lookup finds matches

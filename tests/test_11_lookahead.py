@@ -10,6 +10,7 @@ from test_08_speculative_decoding import OracleDrafter
 from minillm.decoding.sampling import SamplingConfig
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession, Tree
+from minillm.strategies.drafters import FREE_DRAFT, Draft, latest_earlier_occurrence
 from minillm.strategies.generate import generate
 from minillm.strategies.lookahead import (
     CopyPointer,
@@ -20,13 +21,7 @@ from minillm.strategies.lookahead import (
     likeliest_paths,
     share_draft,
 )
-from minillm.strategies.speculative import (
-    FREE_DRAFT,
-    Draft,
-    SpeculativeDecoder,
-    latest_earlier_occurrence,
-    speculative_generate,
-)
+from minillm.strategies.speculative import SpeculativeDecoder, speculative_generate
 
 TINY_PROMPT = [5, 9, 14, 3, 27, 9, 14, 3, 8]
 

@@ -16,14 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.cache.paged import (
-    BlockManager,
-    PackedSequences,
-    PagedKVCache,
-    packed_attention,
-    paged_attention,
-    slot_mapping,
-)
+from minillm.cache.blocks import BlockManager
+from minillm.cache.paged import PackedSequences, PagedKVCache, packed_attention, paged_attention, slot_mapping
 from minillm.decoding.sampling import SamplingConfig
 from minillm.decoding.settings import SamplingError
 from minillm.runtime.engine import Engine, generate_continuous

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from minillm.cache.paged import BlockManager, PagedKVCache, blocks_for, paged_attention, slot_mapping
+from minillm.cache.blocks import BlockManager, blocks_for
+from minillm.cache.paged import PagedKVCache, paged_attention, slot_mapping
 from minillm.model.attention import causal_mask_lower_right
 
 # ------------------------------------------------------------------ block manager: properties

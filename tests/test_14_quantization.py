@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.model.transformer import ModelConfig, Transformer, causal_positions, init_weights
+from minillm.model.config import ModelConfig
+from minillm.model.transformer import Transformer, causal_positions, init_weights
 from minillm.speed.mx import (
     E2M1,
     E2M3,

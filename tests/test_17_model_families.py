@@ -17,15 +17,17 @@ import torch
 from test_reliability import home, one_line_error, wheel, write_index  # noqa: F401  (home is a fixture)
 
 from minillm.model.attention import AttentionStep
+from minillm.model.checkpoint import config_from_hf
 from minillm.model.families import FAMILIES
 from minillm.model.fetch import AssembledFile, FetchError, ModelLoadError, PackagedFile
-from minillm.model.loading import GEMMA3_PARTS, config_from_hf, resolve_checkpoint_folder
+from minillm.model.loading import GEMMA3_PARTS, resolve_checkpoint_folder
 from minillm.model.tiny import FAMILY_KINDS, TINY_WINDOW, tiny_pair
 from minillm.model.transformer import SlidingWindow, Transformer
 from minillm.strategies.beam import beam_search
+from minillm.strategies.drafters import PromptLookup
 from minillm.strategies.generate import generate
 from minillm.strategies.lookahead import Lookahead
-from minillm.strategies.speculative import PromptLookup, speculative_generate
+from minillm.strategies.speculative import speculative_generate
 
 CACHES = ("static", "dynamic")
 

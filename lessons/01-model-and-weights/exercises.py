@@ -12,7 +12,7 @@ import math  # noqa: F401
 import numpy as np  # noqa: F401
 import torch  # noqa: F401
 
-from minillm.model.transformer import ModelConfig
+from minillm.model.config import ModelConfig
 
 
 def gpt2_logits(state: dict[str, torch.Tensor], config: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,11 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from minillm.model.loading import config_from_hf
-from minillm.model.loading import unpermute_rope as package_unpermute
+from minillm.model.checkpoint import config_from_hf
+from minillm.model.config import ModelConfig
+from minillm.model.gguf import unpermute_rope as package_unpermute
 from minillm.model.tiny import tiny_hf_model, tiny_pair
-from minillm.model.transformer import ModelConfig, Transformer, causal_positions
+from minillm.model.transformer import Transformer, causal_positions
 
 
 @pytest.mark.parametrize("seed", [0, 1])

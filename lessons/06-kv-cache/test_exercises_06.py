@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from minillm.cache.kv_cache import DynamicCache, StaticCache
+from minillm.model.config import ModelConfig
 from minillm.model.tiny import tiny_pair
-from minillm.model.transformer import ModelConfig, causal_positions
+from minillm.model.transformer import causal_positions
 
 CONFIGS = {
     "gpt2-small": ModelConfig(),  # 12 heads, plain multi-head attention

@@ -11,8 +11,9 @@ import torch
 from scipy.stats import chisquare
 
 from minillm.model.tiny import tiny_pair
+from minillm.strategies.drafters import PromptLookup
 from minillm.strategies.generate import generate
-from minillm.strategies.speculative import PromptLookup, speculative_generate
+from minillm.strategies.speculative import speculative_generate
 
 PROMPT = [5, 17, 3, 42, 8, 5, 17, 3, 9, 61, 5, 17]  # repeats, so copying drafters find matches
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch  # noqa: F401
 
-from minillm.strategies.speculative import Draft  # noqa: F401  (exercise 2)
+from minillm.strategies.drafters import Draft
 
 
 def tree_attention_mask(parents: list[int], prefix_length: int) -> tuple[torch.Tensor, torch.Tensor]:

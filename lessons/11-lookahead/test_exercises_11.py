@@ -16,9 +16,10 @@ from minillm.cache.kv_cache import make_cache
 from minillm.decoding.sampling import SamplingConfig
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession, Tree, new_token_mask
+from minillm.strategies.drafters import Draft
 from minillm.strategies.generate import generate
 from minillm.strategies.lookahead import Lookahead, NGramTrie
-from minillm.strategies.speculative import Draft, SpeculativeDecoder, speculative_generate
+from minillm.strategies.speculative import SpeculativeDecoder, speculative_generate
 
 PROMPT = [5, 9, 14, 3, 27, 9, 14, 3, 8, 5, 9, 14]  # repeats, so copying drafters find branches
 

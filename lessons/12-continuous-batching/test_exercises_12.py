@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from minillm.bench.serving import Served, summarize
-from minillm.cache.paged import BlockManager, PagedKVCache, blocks_for, slot_mapping
+from minillm.cache.blocks import BlockManager, blocks_for
+from minillm.cache.paged import PagedKVCache, slot_mapping
 from minillm.model.tiny import tiny_pair
 
 

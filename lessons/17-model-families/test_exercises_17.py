@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minillm.model.config import ModelConfig
 from minillm.model.families import rotary_order
 from minillm.model.tiny import TINY_WINDOW, tiny_pair
-from minillm.model.transformer import GemmaRMSNorm, ModelConfig, RopeTable, apply_rope
+from minillm.model.transformer import GemmaRMSNorm, RopeTable, apply_rope
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,6 +20,8 @@ import math
 import os
 from pathlib import Path
 
+from .files import temporary_path
+
 
 def finite_or_none(obj):
     """A copy of `obj` with every NaN / infinity replaced by None, through dicts, lists, tuples and dataclasses."""
@@ -44,7 +46,7 @@ def write_json(path, obj, indent: int = 2) -> Path:
     """Write `obj` as strict JSON to `path` atomically: a temporary name in the same folder, then a rename."""
     path = Path(path)
     text = dumps(obj, indent=indent) + "\n"  # serialise first: a failure leaves the old file untouched
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = temporary_path(path)
     try:
         temporary.write_text(text)
         os.replace(temporary, path)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model.fetch import minillm_home, remove, temporary_path
+from ..base.files import minillm_home, remove, temporary_path
 
 FILE_TYPES = {"F32": 0, "Q8_0": 7}  # general.file_type: llama.cpp's LLAMA_FTYPE_ALL_F32, _MOSTLY_Q8_0
 

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..strategies.drafters import PromptLookup
 from ..strategies.generate import generate
 from ..strategies.lookahead import Lookahead
-from ..strategies.speculative import PromptLookup, speculative_generate
+from ..strategies.speculative import speculative_generate
 from .common import alternate, median, plot_title, save_png
 
 PROMPT_LOOKUP_K = 4  # minillm's (and the CLI's) default draft length for prompt lookup

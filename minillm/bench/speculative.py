@@ -27,8 +27,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache.kv_cache import make_cache
+from ..strategies.acceptance import predicted_speedup
+from ..strategies.drafters import DraftModel, PromptLookup, load_draft
 from ..strategies.generate import generate
-from ..strategies.speculative import DraftModel, PromptLookup, load_draft, predicted_speedup, speculative_generate
+from ..strategies.speculative import speculative_generate
 from .common import alternate, median, plot_title, save_png, spread_band
 
 PASSAGE = (

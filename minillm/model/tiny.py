@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .loading import config_from_hf, hf_to_minillm_state
+from .checkpoint import config_from_hf, hf_to_minillm_state
 from .transformer import Transformer
 
 TINY_KINDS = ("gpt2", "llama", "qwen2")

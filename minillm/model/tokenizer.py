@@ -25,7 +25,8 @@ from tiktoken.load import load_tiktoken_bpe
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .fetch import ModelLoadError, PackagedFile, fetch_packaged_file, minillm_home, one_line, read_json
+from ..base.files import minillm_home, one_line
+from .fetch import ModelLoadError, PackagedFile, fetch_packaged_file, read_json
 
 
 class Tokenizer(Protocol):

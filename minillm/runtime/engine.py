@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.paged import BlockManager, PackedSequences, blocks_for
+from ..cache.blocks import BlockManager, blocks_for
+from ..cache.paged import PackedSequences
 from ..decoding.outputs import (
     GenerationEvent,
     GenerationOutput,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache.paged import BlockManager
+from ..cache.blocks import BlockManager
 
 
 @dataclass

@@ -37,7 +37,8 @@ import math
 
 import torch
 
-from ..cache.paged import PagedKVCache, blocks_for
+from ..cache.blocks import blocks_for
+from ..cache.paged import PagedKVCache
 from ..model.attention import AttentionStep, SDPABackend
 
 # ------------------------------------------------------------------ shapes and masks

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..model.families import unpermute_rope
-from ..model.loading import DEFAULT_ALIASES, default_gguf_path, read_gguf
+from ..model.gguf import read_gguf, unpermute_rope
+from ..model.loading import DEFAULT_ALIASES, default_gguf_path
 from .quant import (
     Int4WeightLinear,
     Int8WeightLinear,

@@ -38,7 +38,7 @@ import itertools
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 
-from .speculative import FREE_DRAFT, Draft, latest_earlier_occurrence
+from .drafters import FREE_DRAFT, Draft, latest_earlier_occurrence
 
 
 class TrieNode:

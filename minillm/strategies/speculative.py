@@ -2,336 +2,36 @@
 
 At batch 1 a decode step is bound by reading the weights, not by arithmetic: a forward
 over k + 1 positions costs little more than a forward over one. So a cheap *drafter*
-proposes k tokens, the target scores all of them at once, and we keep the longest
-prefix the target agrees with plus one token of the target's own:
+(`minillm.strategies.drafters`) proposes k tokens, the target scores all of them at once,
+and we keep the longest prefix the target agrees with plus one token of the target's own:
 
     sequence ... x          drafter proposes d1 d2 d3 d4
     target forward over     [x, d1, d2, d3, d4]   ->  p0 p1 p2 p3 p4   (one call, cache grows by 5)
     accept d1, d2; reject d3  ->  emit d1, d2 and a token drawn from p2; crop the cache back
 
-Every round emits between 1 and k + 1 tokens for one target forward, and the tokens
-are exactly those the target alone would have produced:
-
-- Greedy: a drafted token is accepted while it equals the target's argmax; the first
-  mismatch is replaced by the argmax. Output is identical to plain greedy decoding.
-- Sampling (Leviathan et al. 2023; Chen et al. 2023): accept drafted token x with
-  probability min(1, p(x)/q(x)); on rejection draw from normalise(max(0, p - q)); after
-  a fully accepted draft draw a bonus token from p. The emitted token is distributed
-  exactly as p: P(y) = min(p(y), q(y)) + max(0, p(y) - q(y)) = p(y). p and q are the
-  target's and the drafter's distributions after the same logits processors plain
-  sampling uses (`minillm.decoding.sampling.process_logits`). A deterministic drafter has a
-  one-hot q, so the rule becomes "accept x with probability p(x), else draw from p
-  without x".
-
-Drafters share one small interface (`begin`, `propose`, `rollback`): `DraftModel` (any
-minillm model with the target's tokenizer, running its own KV cache) and `PromptLookup`
-(no model at all: find the context's last n-gram earlier in the context and propose
-what followed it, which pays off when the output copies from the input).
-
-The cost model. With acceptance rate a per drafted token (each accepted independently)
-and k drafted tokens, a round emits on average (1 - a^(k+1)) / (1 - a) tokens. If a
-draft forward costs c target forwards (and a (k+1)-token verify costs one), a round
-costs k c + 1, so the expected speedup over plain decoding is
-(1 - a^(k+1)) / ((1 - a)(k c + 1)).
+Every round emits between 1 and k + 1 tokens for one target forward, and the tokens are
+exactly those the target alone would have produced (the acceptance rule and what it buys:
+`minillm.strategies.acceptance`). A draft may also be a tree of tokens (lesson 11's
+lookahead), verified in one forward under a tree mask.
 
 Batch 1 only, like transformers' assisted generation; and the context window does not
-slide: prompt + max_new_tokens must fit the model's block size.
+slide: prompt + max_new_tokens must fit the model's context.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
-from ..decoding.outputs import (
-    GenerationOutput,
-    GenerationStats,
-    RowOutput,
-    check_prompts,
-    drain,
-    encode_prompts,
-)
-from ..decoding.sampling import (
-    SamplingConfig,
-    TokenHistory,
-    choose_next,
-    process_logits,
-    sample_from_probs,
-)
-from ..model.loading import resolve_dtype
+from ..decoding.outputs import GenerationOutput, GenerationStats, RowOutput, check_prompts, drain, encode_prompts
+from ..decoding.sampling import SamplingConfig, choose_next, process_logits
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.session import Tree
-from ..speed.load import load_model
-
-DRAFTERS = ("model", "prompt-lookup")
-
-
-# ------------------------------------------------------------------ the acceptance rule
-
-
-def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """min(1, p/q) elementwise: how likely a token drafted from q survives a target with p."""
-    return torch.where(q > 0, (p / q).clamp(max=1.0), torch.ones_like(p))
-
-
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """normalise(max(0, p - q)): where to draw from after a rejection (the mass q lacks)."""
-    residual = (p - q).clamp(min=0)
-    total = residual.sum(-1, keepdim=True)
-    # A rejection implies p(x) < q(x), hence mass elsewhere; only rounding can leave none.
-    return torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p)
-
-
-def verify_token(target_logits: torch.Tensor, draft_token: int, q: torch.Tensor | None, config: SamplingConfig,
-                 generator: torch.Generator | None) -> tuple[int, bool]:
-    """Judge one drafted token against the target's processed logits [V].
-
-    Returns (the token to emit, whether it is the drafted one). q [V] is the drafter's
-    distribution; None means a deterministic drafter (q is one-hot on `draft_token`).
-    """
-    if config.greedy:
-        best = int(target_logits.argmax())
-        return best, best == draft_token
-    p = target_logits.softmax(-1)
-    if q is None:
-        q = torch.zeros_like(p)
-        q[draft_token] = 1.0
-    u = torch.rand((), generator=generator, device=generator.device)
-    if u < acceptance_probability(p[draft_token], q[draft_token]):
-        return draft_token, True
-    return int(sample_from_probs(residual_distribution(p, q)[None], [generator])), False
-
-
-def expected_tokens_per_round(acceptance_rate: float, k: int) -> float:
-    """(1 - a^(k+1)) / (1 - a): tokens one target forward yields, drafts accepted independently."""
-    a = acceptance_rate
-    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
-
-def predicted_speedup(acceptance_rate: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
-    """Expected speedup over plain decoding when a draft forward costs `cost_ratio` target forwards
-    and verifying k + 1 tokens costs `verify_cost` one-token target forwards (1 when weight
-    reads dominate; more on a CPU, where k + 1 rows of arithmetic are not free)."""
-    return expected_tokens_per_round(acceptance_rate, k) / (k * cost_ratio + verify_cost)
-
-
-# ------------------------------------------------------------------ drafters
-
-
-@dataclass
-class Draft:
-    """What a drafter proposes: a chain of tokens, or (with `parents`) a tree of them.
-
-    parents[i] is the index of token i's parent in [last sequence token, *tokens]
-    (0: the last sequence token, the tree's root); None means a chain (parents
-    0, 1, 2, ...). A tree comes from a deterministic drafter (lesson 11's lookahead).
-    """
-
-    tokens: list[int]
-    q: torch.Tensor | None = None  # [len(tokens), V] the drafter's probabilities; None: deterministic (one-hot)
-    parents: list[int] | None = None
-
-    def first(self, n: int) -> "Draft":
-        """The first n tokens: a chain's prefix, or a tree's first n nodes (parents come first, so still a tree)."""
-        if len(self.tokens) <= n:
-            return self
-        return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
-                     None if self.parents is None else self.parents[:n])
-
-
-class Drafter(Protocol):
-    def begin(self, target, tokenizer, max_len: int) -> None:
-        """Get ready for a new sequence of at most `max_len` tokens (and refuse an incompatible target)."""
-
-    def propose(self, sequence: list[int], n: int, config: SamplingConfig, history: TokenHistory,
-                generator: torch.Generator | None) -> Draft:
-        """Up to n tokens that might follow `sequence` (n: the decoder's current budget). A drafter sure of
-        more may return more; the decoder keeps at most its ceiling and what max_new_tokens leaves."""
-
-    def rollback(self, sequence: list[int]) -> None:
-        """Forget whatever was drafted beyond `sequence` (the target has decided)."""
-
-    # Optional: `end(sequence, prompt_length)`, called once the sequence is finished, lets a drafter
-    # that learns from outputs (lesson 11's lookahead) keep it.
-
-
-def latest_earlier_occurrence(sequence: list[int], size: int, end: int | None = None) -> int | None:
-    """The start of the most recent earlier occurrence of the `size` tokens before `end` (default: the
-    sequence's last `size` tokens), or None."""
-    end = len(sequence) if end is None else end
-    tail = sequence[end - size:end]
-    for start in range(end - size - 1, -1, -1):
-        if sequence[start + size - 1] == tail[-1] and sequence[start:start + size] == tail:
-            return start
-    return None
-
-
-# A verify forward reads every weight once whatever its length, so its first few extra tokens cost
-# about nothing and only longer drafts make it dearer (lesson 11 measures where the curve bends).
-# A drafter whose drafts are free to make (a lookup, not a model) drafts at least this many tokens
-# even where they keep failing: fewer would save nothing.
-FREE_DRAFT = 5
-
-
-class PromptLookup:
-    """Draft by copying: find the context's trailing n-gram earlier in the context
-    (longest n first, most recent occurrence first) and propose the tokens that followed.
-
-    Free to run, and right surprisingly often when the answer quotes, summarises or
-    edits its input. (transformers' `prompt_lookup_num_tokens` uses the same idea with
-    n up to 2 and the earliest occurrence.)
-    """
-
-    min_draft = FREE_DRAFT  # an adaptive budget's floor (see FREE_DRAFT)
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"n-gram sizes min={min_ngram}, max={max_ngram} are invalid: need 1 <= min <= max")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def begin(self, target, tokenizer, max_len):
-        pass
-
-    def propose(self, sequence, n, config, history, generator):
-        for size in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
-            start = latest_earlier_occurrence(sequence, size)
-            if start is not None:
-                return Draft(sequence[start + size:start + size + n])
-        return Draft([])
-
-    def rollback(self, sequence):
-        pass
-
-
-class DraftModel:
-    """A smaller model with the target's tokenizer drafts autoregressively, on its own runner and cache.
-
-    Its cache always holds a prefix of the sequence (plus, while drafting, its own
-    guesses): `rollback` forgets what the target rejected and `propose` first feeds the
-    tokens it has not seen (the prompt on the first call, then the one or two tokens the
-    target added).
-    """
-
-    def __init__(self, model, tokenizer=None, cache: str = "static"):
-        self.model, self.tokenizer, self.cache_kind = model, tokenizer, cache
-        self.runner = self.seq = None  # the draft's own runner, and its sequence: what the draft's cache holds
-
-    @property
-    def cached(self) -> list[int]:
-        """The token ids the draft's cache holds."""
-        return self.runner.held(self.seq) if self.seq is not None else []
-
-    @property
-    def cache(self):
-        return self.runner.session.cache
-
-    def begin(self, target, tokenizer, max_len):
-        check_same_vocabulary(self.model, self.tokenizer, target, tokenizer)
-        self.runner, self.seq = ModelRunner(self.model, cache=self.cache_kind, max_len=max_len), None
-
-    def _forward(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens after the held ones; next-token logits [1, V]."""
-        if self.seq is None:
-            self.seq = Sequence.create(tokens, SamplingConfig(), vocab_size=self.model.config.vocab_size)
-            return self.runner.prefill([self.seq])
-        self.seq.tokens.extend(tokens)
-        return self.runner.feed([self.seq], [tokens])[:, -1]
-
-    def propose(self, sequence, n, config, history, generator):
-        self.rollback(sequence)
-        logits = self._forward(sequence[len(self.cached):])  # [1, V]
-        history = history.select(torch.tensor([0], device=history.seen.device))  # a copy to extend with guesses
-        tokens, qs = [], []
-        for i in range(n):
-            processed = process_logits(logits, config, history)  # [1, V], exactly as the target's p
-            token = choose_next(processed, config, None if config.greedy else [generator])  # [1]
-            if not config.greedy:
-                qs.append(processed.softmax(-1)[0])
-            history.add(token)
-            tokens.append(int(token))
-            if i + 1 < n:  # the last guess is fed next round, together with the target's token
-                logits = self._forward([tokens[-1]])
-        return Draft(tokens, torch.stack(qs) if qs else None)
-
-    def rollback(self, sequence):
-        keep = 0
-        for cached_id, seq_id in zip(self.cached, sequence):
-            if cached_id != seq_id:
-                break
-            keep += 1
-        keep = min(keep, len(sequence) - 1)  # always leave the newest token to feed
-        if keep < len(self.cached):
-            self.runner.rollback([self.seq], [keep])
-            del self.seq.tokens[keep:]
-
-
-def check_same_vocabulary(draft, draft_tokenizer, target, target_tokenizer) -> None:
-    """A draft must speak the target's token ids: same vocabulary size and, when both
-    tokenizers are known, the same encoding of a probe text and the same EOS."""
-    dv, tv = draft.config.vocab_size, target.config.vocab_size
-    if dv != tv:
-        raise ValueError(f"draft model has a vocabulary of {dv} tokens but the target has {tv}: "
-                         f"use a draft that shares the target's tokenizer")
-    if draft_tokenizer is None or target_tokenizer is None or draft_tokenizer is target_tokenizer:
-        return
-    probe = "Speculative decoding: 12345 tokens, déjà vu, 東京 <|endoftext|> <|im_end|>"
-    if (draft_tokenizer.encode(probe) != target_tokenizer.encode(probe)
-            or getattr(draft_tokenizer, "eos_token_id", None) != getattr(target_tokenizer, "eos_token_id", None)):
-        raise ValueError("draft model's tokenizer differs from the target's (a probe text encodes differently): "
-                         "use a draft that shares the target's tokenizer")
-
-
-def truncated_draft(model, n_layer: int):
-    """The target's first `n_layer` blocks plus its final norm and LM head, sharing its weights.
-
-    An untrained "early exit": no extra memory, a cost roughly proportional to the
-    layers kept (plus the LM head), and an acceptance rate that says how much of the
-    answer the early layers already know.
-    """
-    total = model.config.n_layer
-    if not 1 <= n_layer <= total:
-        raise ValueError(f"draft layers={n_layer} is invalid: the target has {total} blocks; keep 1..{total}")
-    config = replace(model.config, n_layer=n_layer)
-    with torch.device("meta"):
-        draft = type(model)(config)
-    draft.tok_emb, draft.pos_emb, draft.norm_f, draft.lm_head = model.tok_emb, model.pos_emb, model.norm_f, model.lm_head
-    draft.blocks = torch.nn.ModuleList(model.blocks[:n_layer])
-    return draft.eval()
-
-
-def load_draft(spec: str, target, dtype="float32", device="cpu"):
-    """`--draft-model` values: 'layers:N' (the target's first N blocks), 'dtype:bfloat16'
-    (the target's weights in another precision), or any name/path `load_model` takes.
-    Returns (draft model, its tokenizer or None when it is the target's)."""
-    if spec.startswith("layers:"):
-        try:
-            n_layer = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise ValueError(f"--draft-model {spec!r} is invalid: write layers:N with N an integer") from None
-        return truncated_draft(target, n_layer), None
-    if spec.startswith("dtype:"):
-        return copy.deepcopy(target).to(resolve_dtype(spec.split(":", 1)[1])).eval(), None
-    return load_model(spec, dtype=dtype, device=device)
-
-
-def make_drafter(kind: str, target, draft_model: str | None = None, dtype="float32", device="cpu") -> Drafter:
-    """The CLI's drafter: 'prompt-lookup', or 'model' with a `load_draft` spec."""
-    if kind == "prompt-lookup":
-        if draft_model is not None:
-            raise ValueError("--draft-model is only used with --speculative model")
-        return PromptLookup()
-    if kind == "model":
-        if draft_model is None:
-            raise ValueError("--speculative model needs --draft-model (a model name or path, or layers:N for the "
-                             "target's first N blocks)")
-        return DraftModel(*load_draft(draft_model, target, dtype, device))
-    raise ValueError(f"--speculative {kind!r} is invalid: use one of {', '.join(DRAFTERS)} "
-                     "(lookahead drafts come from minillm.strategies.lookahead.Lookahead)")
+from .acceptance import verify_token
+from .drafters import Draft, Drafter
 
 
 def independent_stream(generator: torch.Generator) -> torch.Generator:
@@ -605,9 +305,5 @@ def speculative_generate(model, prompt, drafter: Drafter, config: SamplingConfig
     return run if stream else drain(run, streamer)
 
 
-__all__ = [
-    "speculative_generate", "SpeculativeGeneration", "SpeculativeDecoder", "Round", "Draft", "Drafter",
-    "PromptLookup", "latest_earlier_occurrence", "DraftModel", "truncated_draft", "load_draft", "make_drafter", "check_same_vocabulary",
-    "check_num_draft_tokens", "acceptance_probability", "residual_distribution", "verify_token",
-    "expected_tokens_per_round", "predicted_speedup", "DRAFTERS",
-]
+__all__ = ["speculative_generate", "SpeculativeGeneration", "SpeculativeDecoder", "Round", "independent_stream",
+           "check_num_draft_tokens"]

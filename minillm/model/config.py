@@ -1,0 +1,120 @@
+"""`ModelConfig`: every architecture of the course as switches of one frozen dataclass, not subclasses.
+
+GPT-2's defaults, and the fields that turn the one transformer (`minillm.model.transformer`)
+into Llama, Qwen, Gemma, Mistral, Phi-3, OPT or GPT-J (lesson 17; `minillm.model.families`
+reads them off a checkpoint's config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
+MLPS = ("gelu", "relu", "swiglu", "geglu")
+BLOCKS = ("pre", "post", "parallel")
+LAYER_TYPES = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything that shapes the network. Defaults are GPT-2 small; every other switch is off by default."""
+
+    vocab_size: int = 50257
+    block_size: int = 1024  # context length: the most positions the model was trained on
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # grouped-query attention; None means n_head (plain multi-head)
+    d_model: int = 768
+    d_ff: int | None = None  # MLP hidden size; None means 4 * d_model
+    head_dim: int | None = None  # None means d_model // n_head
+    norm: str = "layernorm"  # "layernorm" (GPT-2), "rmsnorm" (Llama) or "gemma_rmsnorm" (x̂·(1 + w), Gemma)
+    norm_eps: float = 1e-5
+    positions: str = "learned"  # "learned" (GPT-2) or "rope" (Llama)
+    rope_theta: float = 10000.0
+    mlp: str = "gelu"  # "gelu" (GPT-2, tanh approximation), "relu" (OPT), "swiglu" (Llama) or "geglu" (Gemma)
+    bias: bool = True  # bias on the output/MLP projections and norms (GPT-2)
+    qkv_bias: bool = True  # bias on the q/k/v projection (GPT-2, Qwen2)
+    tie_embeddings: bool = True  # LM head shares the token embedding matrix
+    # --- model families (lesson 17) ---
+    # "pre": x + f(norm(x)); "post": norm(x + f(x)) (OPT-350m); "parallel": attention and MLP side by side (GPT-J)
+    block: str = "pre"
+    post_norms: bool = False  # a norm on the attention and MLP outputs too: four norms per block (Gemma 2/3)
+    qk_norm: bool = False  # normalise each query and key head before RoPE (Gemma 3, Qwen3)
+    embed_scale: bool = False  # multiply the embedding by sqrt(d_model), rounded to the weights' dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim) (Gemma)
+    sliding_window: int | None = None  # a sliding layer's query at position p sees keys at p - window < position <= p
+    layer_types: tuple[str, ...] | None = None  # "full" / "sliding" per layer; None: all sliding when sliding_window is set
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
+    rotary_dim: int | None = None  # partial RoPE: only this many dims of each head rotate (GPT-J, some Phi)
+    rope_short_factor: tuple[float, ...] | None = None  # long-RoPE (Phi-3): per-frequency divisors up to rope_original_max
+    rope_long_factor: tuple[float, ...] | None = None  # ... and beyond it
+    rope_original_max: int | None = None  # the context the model was pretrained on (long-RoPE switches past it)
+    rope_attention_factor: float = 1.0  # long-RoPE scales cos and sin by this
+    attn_out_bias: bool | None = None  # bias on the attention output projection; None: `bias` (GPT-J has none, its MLP has)
+    lm_head_bias: bool = False  # GPT-J
+    d_embed: int | None = None  # token embedding width when it differs from d_model: project in and out (OPT-350m)
+    final_norm: bool = True  # a norm before the LM head (OPT's post-norm models have none)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+
+    def __post_init__(self):
+        for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("block", BLOCKS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        if self.positions not in ("learned", "rope"):
+            raise ValueError(f"positions={self.positions!r}: use 'learned' or 'rope'")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.kv_heads}")
+        if self.layer_types is not None and (len(self.layer_types) < self.n_layer
+                                             or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types={self.layer_types!r}: give 'full' or 'sliding' for each of the "
+                             f"{self.n_layer} layers")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size
+                                            or (self.head_size - self.rotary_dim) % 2):
+            raise ValueError(f"rotary_dim={self.rotary_dim}: use an even number up to head_dim={self.head_size} "
+                             f"(leaving an even number of dims unrotated)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def ff_size(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def embed_size(self) -> int:
+        return self.d_embed or self.d_model
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through a sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def describe(config: ModelConfig) -> str:
+    """One line naming the architecture and its size."""
+    n_params = (
+        config.vocab_size * config.d_model
+        + config.n_layer
+        * (
+            config.d_model * (config.n_head + 2 * config.kv_heads) * config.head_size
+            + config.n_head * config.head_size * config.d_model
+            + config.d_model * config.ff_size * (3 if config.mlp in ("swiglu", "geglu") else 2)
+        )
+    )
+    return (
+        f"{config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads "
+        f"({config.kv_heads} KV), {config.positions} positions, {config.norm}, {config.mlp}, "
+        f"~{n_params / 1e6:.0f}M parameters, context {config.block_size}"
+    )
+
+
+__all__ = ["ModelConfig", "describe", "NORMS", "MLPS", "BLOCKS", "LAYER_TYPES"]
