@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..cache.kv_cache import make_cache
 from ..model.transformer import causal_positions
 from .batch import TEXT
-from .common import alternate, median, plot_title, save_png, spread_band, synchronize
+from .common import alternate, finish_figure, median, plot_title, spread_band, synchronize
 
 
 def step_contenders(model, ids: list[int], device) -> dict:
@@ -122,8 +122,4 @@ def plot(data: dict, path=None):
         ax.legend(fontsize=8)
     fig.suptitle(plot_title("KV cache scaling", data, data["dtype"]) +
                  f"; median over repeats (n = {data['repeats']}), bands: min-max", fontsize=10)
-    fig.tight_layout()
-    if path is not None:
-        save_png(fig, path)
-        plt.close(fig)
-    return fig
+    return finish_figure(fig, path)

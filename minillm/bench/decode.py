@@ -29,7 +29,15 @@ import torch
 from ..model.transformer import causal_positions
 from ..strategies.generate import generate
 from .batch import TEXT
-from .common import alternate, measure_memory_bandwidth, median, plot_title, save_png, spread, synchronize
+from .common import (
+    alternate,
+    finish_figure,
+    measure_memory_bandwidth,
+    median,
+    plot_title,
+    spread,
+    synchronize,
+)
 
 
 class TokenClock:
@@ -187,8 +195,4 @@ def plot(data: dict, path=None):
     fig.suptitle(plot_title("Decode speed at batch 1", data, " and ".join(data["results"])) +
                  f"\n{data['prompt_tokens']} prompt + {data['new_tokens']} new tokens; bars: median over repeats "
                  f"(n = {data['repeats']}), whiskers: min-max; labels: share of the roofline", fontsize=10)
-    fig.tight_layout()
-    if path is not None:
-        save_png(fig, path)
-        plt.close(fig)
-    return fig
+    return finish_figure(fig, path)
