@@ -1,5 +1,5 @@
 """`python -m minillm.export`: write a model as ONNX graphs and run them (lesson 15; the export is built in
-`minillm.speed.export`, the runner in `minillm.speed.onnx_runner`)."""
+`minillm.speed.export`, the loaded graphs in `minillm.speed.onnx_model`, run by `generate` like any model)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 from .base.commands import OneLineParser, run_command
 from .speed.export import check_sizes, export_onnx
-from .speed.onnx_runner import OnnxRunner
+from .speed.onnx_model import OnnxModel
+from .strategies.generate import generate
 
 EPILOG = """examples:
   python -m minillm.export onnx --out exports/smollm2                 # default model, float32, context 512
@@ -55,12 +56,11 @@ def run(args) -> int:
                           checkpoint=resolve_checkpoint_folder(args.model))
         print(f"wrote {out} (prefill T={args.chunk}, decode T=1, context {args.context})")
         return 0
-    runner = OnnxRunner(args.folder, threads=args.threads)
-    text = args.prompt
-    if not args.no_chat and getattr(runner.tokenizer, "chat_template", None) is not None:
-        text = runner.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                   add_generation_prompt=True)
-    for event in runner.generate(text, max_new_tokens=args.max_new_tokens, stream=True):
+    exported = OnnxModel(args.folder, threads=args.threads)
+    text, tokenizer = args.prompt, exported.tokenizer
+    if not args.no_chat and getattr(tokenizer, "chat_template", None) is not None:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    for event in generate(exported, text, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens, stream=True):
         print(event.text, end="", flush=True)
     print()
     return 0

@@ -51,7 +51,7 @@ def count_parameters(config: ModelConfig) -> dict[str, int]:
     # Embeddings: one row per token; GPT-2 adds one row per position; an untied LM head is another V x d.
     embeddings = config.vocab_size * d
     if config.positions == "learned":
-        embeddings += config.block_size * d
+        embeddings += config.context_length * d
     if not config.tie_embeddings:
         embeddings += config.vocab_size * d
     # Attention: the fused q/k/v projection has H query heads and KV key/value heads of hd each;

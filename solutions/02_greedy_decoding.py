@@ -17,9 +17,9 @@ def generate_until(model, prompt_ids: list[int], stop_sequences: list[list[int]]
     return generated
 
 
-def find_cycle(token_ids: list[int], block_size: int) -> tuple[int, int] | None:
+def find_cycle(token_ids: list[int], context_length: int) -> tuple[int, int] | None:
     """Exercise 2: Predict where greedy loops"""
-    w = block_size
+    w = context_length
     first_seen: dict[tuple[int, ...], int] = {}  # window -> the k where it first ended
     for k in range(w, len(token_ids) + 1):
         window = tuple(token_ids[k - w:k])
@@ -32,7 +32,7 @@ def find_cycle(token_ids: list[int], block_size: int) -> tuple[int, int] | None:
     return None
 
 
-def prefill_cost(prompt_len: int, max_new_tokens: int, block_size: int, window_slide: int) -> tuple[int, int]:
+def prefill_cost(prompt_len: int, max_new_tokens: int, context_length: int, window_slide: int) -> tuple[int, int]:
     """Exercise 3: Count the re-prefills"""
     prefills, tokens = 1, prompt_len  # the prompt is prefilled once, whatever happens next
     length, start = prompt_len, 0  # tokens held, and where the window begins
@@ -40,8 +40,8 @@ def prefill_cost(prompt_len: int, max_new_tokens: int, block_size: int, window_s
         length += 1  # the token chosen at this step is appended
         if step == max_new_tokens:
             break  # the row is finished: the loop ends before looking at the window
-        if length - start > block_size:  # outgrown: move by window_slide, at least far enough to fit
-            start = max(start + window_slide, length - block_size)
+        if length - start > context_length:  # outgrown: move by window_slide, at least far enough to fit
+            start = max(start + window_slide, length - context_length)
             prefills += 1
             tokens += length - start  # the whole new window goes through the model again
     return prefills, tokens

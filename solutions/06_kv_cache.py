@@ -21,7 +21,7 @@ class SlidingWindowCache(KVCache):
 
     The keys keep the rotation of the position they were computed at. RoPE scores depend only on
     q_pos - k_pos, so nothing needs re-rotating: the new token simply gets the next position, past
-    block_size if need be. Rows must stay the same length (batch of equal rows, plain decoding).
+    context_length if need be. Rows must stay the same length (batch of equal rows, plain decoding).
     """
 
     def __init__(self, n_layer: int, window: int):
@@ -48,9 +48,9 @@ def generate_sliding(model, prompt_ids: list[int], max_new_tokens: int) -> list[
     """Exercise 2: RoPE sliding without re-prefill"""
     config = model.config
     if config.positions != "rope":
-        raise ValueError(f"positions={config.positions!r}: learned absolute positions stop at block_size "
-                         f"({config.block_size}); sliding without re-prefill needs RoPE")
-    cache = SlidingWindowCache(config.n_layer, window=config.block_size)
+        raise ValueError(f"positions={config.positions!r}: learned absolute positions stop at context_length "
+                         f"({config.context_length}); sliding without re-prefill needs RoPE")
+    cache = SlidingWindowCache(config.n_layer, window=config.context_length)
     tokens = torch.tensor([prompt_ids], device=model.device)
     positions = torch.arange(len(prompt_ids), device=model.device)[None]
     logits = model(tokens, positions, cache=cache, last_only=True)  # one prefill, never repeated
@@ -60,7 +60,7 @@ def generate_sliding(model, prompt_ids: list[int], max_new_tokens: int) -> list[
         out.append(token)
         if step == max_new_tokens - 1:
             break
-        position = len(prompt_ids) + step  # keeps counting past block_size: RopeTable grows to it
+        position = len(prompt_ids) + step  # keeps counting past context_length: RopeTable grows to it
         logits = model(torch.tensor([[token]], device=model.device), torch.tensor([[position]], device=model.device),
                        cache=cache)
     return out

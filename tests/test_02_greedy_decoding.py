@@ -19,10 +19,10 @@ from minillm.strategies.generate import generate, sliding_window_start
 
 
 def brute_force_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """The definition: feed the last block_size tokens, take the argmax, append, repeat."""
+    """The definition: feed the last context_length tokens, take the argmax, append, repeat."""
     ids = list(prompt)
     for _ in range(new_tokens):
-        window = ids[-model.config.block_size:]
+        window = ids[-model.config.context_length:]
         with torch.no_grad():
             logits = model(torch.tensor([window]), torch.arange(len(window))[None])
         ids.append(int(logits[0, -1].argmax()))
@@ -41,7 +41,7 @@ def test_greedy_matches_transformers_generate(tiny):
 
 @pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
 def test_sliding_window_past_the_context(tiny, cache):
-    """block_size is 64: 50 prompt tokens + 60 new ones cross it; every step must match brute force."""
+    """context_length is 64: 50 prompt tokens + 60 new ones cross it; every step must match brute force."""
     _, model = tiny
     prompt = torch.randint(0, model.config.vocab_size, (50,)).tolist()
     out = generate(model, [prompt], max_new_tokens=60, cache=cache).rows[0]

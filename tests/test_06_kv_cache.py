@@ -16,11 +16,11 @@ CACHES = ("static", "dynamic", "none")
 
 
 def brute_force_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy decoding the slow, obvious way: a full forward over the last block_size tokens per step."""
+    """Greedy decoding the slow, obvious way: a full forward over the last context_length tokens per step."""
     seq = list(prompt)
     with torch.inference_mode():
         for _ in range(new_tokens):
-            window = seq[-model.config.block_size:]
+            window = seq[-model.config.context_length:]
             logits = model(torch.tensor([window]), causal_positions(1, len(window)))
             seq.append(int(logits[0, -1].argmax()))
     return seq[len(prompt):]
@@ -29,7 +29,7 @@ def brute_force_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("new_tokens", [20, 90], ids=["within-context", "past-context"])
 def test_all_caches_give_brute_force_tokens(kind, new_tokens):
-    _, model = tiny_pair(kind)  # block_size 64: 30 + 90 tokens slides the window 56 times
+    _, model = tiny_pair(kind)  # context_length 64: 30 + 90 tokens slides the window 56 times
     prompt = torch.randint(0, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = brute_force_greedy(model, prompt, new_tokens)
     for cache in CACHES:
@@ -54,16 +54,16 @@ def test_batched_caches_agree_past_the_context(tiny):
     assert outs["static"] == outs["dynamic"] == outs["none"]
 
 
-def small_context_copy(model, block_size: int) -> Transformer:
+def small_context_copy(model, context_length: int) -> Transformer:
     """The same weights with a shorter context: makes sliding-window runs on the real model affordable."""
-    small = Transformer(replace(model.config, block_size=block_size))
+    small = Transformer(replace(model.config, context_length=context_length))
     small.load_state_dict(model.state_dict(), strict=True)
     return small.eval()
 
 
 def test_default_model_caches_agree_past_the_context(default_model):
     model, tokenizer = default_model
-    small = small_context_copy(model, block_size=20)
+    small = small_context_copy(model, context_length=20)
     prompt = tokenizer.encode("The three primary colours are")
     outs = {c: generate(small, [prompt], cache=c, max_new_tokens=24, eos_token_id=()).token_ids[0] for c in CACHES}
     assert len(prompt) + 24 > 20  # the window really slid
@@ -215,15 +215,15 @@ def test_fast_linear_keeps_gradients_when_training():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
-def test_rope_table_grows_past_block_size_with_exact_angles():
-    """Keeping a cache while sliding past the context numbers tokens beyond block_size: the table must grow,
+def test_rope_table_grows_past_the_context_with_exact_angles():
+    """Keeping a cache while sliding past the context numbers tokens beyond context_length: the table must grow,
     give the exact rotation there, and leave every position it already held unchanged."""
     import math
 
     from minillm.model.config import ModelConfig
     from minillm.model.transformer import RopeTable
 
-    config = ModelConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, d_model=16, positions="rope",
+    config = ModelConfig(vocab_size=32, context_length=16, n_layer=1, n_head=2, d_model=16, positions="rope",
                          norm="rmsnorm", mlp="swiglu")
     table = RopeTable(config)
     inside = torch.arange(16)[None]
@@ -243,10 +243,10 @@ def test_rope_table_grows_past_block_size_with_exact_angles():
     assert len(table.tables[(torch.float32, inside.device)][0]) >= 1001
 
 
-def test_model_runs_past_block_size_with_rope_only():
-    """A RoPE model accepts positions past block_size (relative offsets are what it sees); GPT-2 cannot."""
+def test_model_runs_past_the_context_with_rope_only():
+    """A RoPE model accepts positions past context_length (relative offsets are what it sees); GPT-2 cannot."""
     _, model = tiny_pair("llama")
-    B = model.config.block_size
+    B = model.config.context_length
     tokens = torch.randint(0, model.config.vocab_size, (1, 10))
     with torch.inference_mode():
         at_start = model(tokens, causal_positions(1, 10))
@@ -254,4 +254,4 @@ def test_model_runs_past_block_size_with_rope_only():
     torch.testing.assert_close(shifted, at_start, atol=1e-4, rtol=1e-4)  # RoPE scores depend on offsets only
     _, gpt2 = tiny_pair("gpt2")
     with pytest.raises(IndexError):
-        gpt2(tokens, causal_positions(1, 10) + gpt2.config.block_size)
+        gpt2(tokens, causal_positions(1, 10) + gpt2.config.context_length)

@@ -31,8 +31,8 @@ def alone(model, prompts, **kwargs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    """Tiny random GPT-2 and Llama with room for 200-token prompts (block_size 256)."""
-    return {kind: tiny_pair(kind, block_size=256) for kind in ("gpt2", "llama")}
+    """Tiny random GPT-2 and Llama with room for 200-token prompts (context_length 256)."""
+    return {kind: tiny_pair(kind, context_length=256) for kind in ("gpt2", "llama")}
 
 
 # ------------------------------------------------------------------ layout: padding, positions, mask
@@ -103,8 +103,8 @@ def test_right_padding_without_a_cache_gives_the_same_tokens(tiny_models):
 
 @pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
 def test_rows_sliding_past_the_context_window_stay_exact(cache):
-    """Rows outgrow block_size at different steps; each slides its own window as it would alone."""
-    _, model = tiny_pair("llama", block_size=64)
+    """Rows outgrow context_length at different steps; each slides its own window as it would alone."""
+    _, model = tiny_pair("llama", context_length=64)
     prompts = random_prompts([60, 3, 50, 64], seed=4)
     batched = generate(model, prompts, max_new_tokens=20, cache=cache, window_slide=4)
     assert batched.token_ids == alone(model, prompts, max_new_tokens=20, cache=cache, window_slide=4)

@@ -194,14 +194,14 @@ def test_events_are_the_ones_generate_yields(default_model):
 
 def test_a_request_that_fills_the_context_stops_with_length(tiny):
     _, model = tiny
-    block = model.config.block_size
-    prompt = random_prompts(1, model.config.vocab_size, seed=2, shared=block - 4, longest=2)[0]
+    context = model.config.context_length
+    prompt = random_prompts(1, model.config.vocab_size, seed=2, shared=context - 4, longest=2)[0]
     engine = Engine(model, block_size=8, num_blocks=20)
     request = engine.add_request(prompt, GREEDY.with_(max_new_tokens=50))
     while engine.has_unfinished():
         engine.step()
     out = engine.output(request)
-    assert len(prompt) + len(out.token_ids) == block and out.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) == context and out.finish_reason == "length"
 
 
 # ------------------------------------------------------------------ bad input never stops the others

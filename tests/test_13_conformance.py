@@ -37,7 +37,7 @@ def target(request):
         yield client, model, url
         return
     _, tokenizer = request.getfixturevalue("default_model")
-    _, model = tiny_pair("llama", seed=4, vocab_size=49152, block_size=256)  # real tokenizer, tiny random weights
+    _, model = tiny_pair("llama", seed=4, vocab_size=49152, context_length=256)  # real tokenizer, tiny random weights
     with BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=64, block_size=8) as server:
         yield OpenAI(base_url=server.base_url, api_key="unused", max_retries=0), "tiny", server.base_url
 

@@ -38,7 +38,7 @@ CONTEXT = 256
 def tiny_model(default_model):
     """A tiny random Llama over the default model's tokenizer: real text in and out, fast forwards."""
     _, tokenizer = default_model
-    _, model = tiny_pair("llama", seed=3, vocab_size=49152, block_size=CONTEXT)
+    _, model = tiny_pair("llama", seed=3, vocab_size=49152, context_length=CONTEXT)
     return model, tokenizer
 
 
@@ -371,7 +371,7 @@ def test_loadtest_command_line_measures_a_server(default_model, capsys):
     from minillm.serving.loadtest import main
 
     _, tokenizer = default_model
-    _, model = tiny_pair("llama", seed=3, vocab_size=49152, block_size=1024)  # room for the workload's prompts
+    _, model = tiny_pair("llama", seed=3, vocab_size=49152, context_length=1024)  # room for the workload's prompts
     with BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=256, block_size=16) as server:
         assert main(["--base-url", server.base_url, "--model", "tiny", "--num-requests", "4", "--concurrency", "2",
                      "--json"]) == 0

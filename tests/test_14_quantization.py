@@ -124,7 +124,7 @@ def test_dynamic_and_static_int8_equal_their_fake_quantized_references():
 
 
 def tiny_llama(seed=0) -> Transformer:
-    config = ModelConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128,
+    config = ModelConfig(vocab_size=96, context_length=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128,
                          norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, qkv_bias=False)
     return init_weights(Transformer(config), std=0.1, seed=seed).eval()
 

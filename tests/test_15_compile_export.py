@@ -21,12 +21,17 @@ import sys
 import pytest
 import torch
 
+from minillm.decoding.sampling import SamplingConfig
 from minillm.model.tiny import tiny_pair
-from minillm.runtime.session import DecodeSession
+from minillm.runtime.runner import ModelRunner
+from minillm.runtime.sequence import Sequence
+from minillm.runtime.session import DecodeSession, Tree
 from minillm.speed.compile import CompiledModel, compile_model, context_bucket
 from minillm.speed.export import export_onnx
-from minillm.speed.onnx_runner import ExportError, OnnxRunner
+from minillm.speed.onnx_model import ExportError, OnnxModel
+from minillm.strategies.drafters import PromptLookup
 from minillm.strategies.generate import generate
+from minillm.strategies.speculative import speculative_generate
 
 SLOW = pytest.mark.skipif(not os.environ.get("MINILLM_SLOW_TESTS"),
                           reason="compiles and exports the real default model (minutes): set MINILLM_SLOW_TESTS=1")
@@ -35,7 +40,7 @@ SLOW = pytest.mark.skipif(not os.environ.get("MINILLM_SLOW_TESTS"),
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A tiny Llama with room for 100+ decode steps, and its compiled twin (prefill chunks of 8)."""
-    _, model = tiny_pair("llama", block_size=256)
+    _, model = tiny_pair("llama", context_length=256)
     return model, CompiledModel(model, chunk=8)
 
 
@@ -122,7 +127,7 @@ def test_cli_compile_flag_is_documented_and_checked():
 
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
-    _, model = tiny_pair("llama", block_size=256)
+    _, model = tiny_pair("llama", context_length=256)
     folder = export_onnx(model, tmp_path_factory.mktemp("export") / "tiny", context=64, chunk=8)
     return model, folder
 
@@ -148,13 +153,13 @@ def test_exported_graphs_have_the_promised_inputs_and_outputs(tiny_export):
 
 
 @pytest.mark.parametrize("prompt_length", [3, 8, 21])
-def test_onnx_runner_gives_generates_tokens_and_events(tiny_export, prompt_length):
+def test_onnx_model_gives_generates_tokens_and_events(tiny_export, prompt_length):
     model, folder = tiny_export
-    runner = OnnxRunner(folder)
+    runner = OnnxModel(folder)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_length,),
                            generator=torch.Generator().manual_seed(prompt_length)).tolist()
     expected = generate(model, prompt, max_new_tokens=30)
-    events = list(runner.generate(prompt, max_new_tokens=30, stream=True))
+    events = list(generate(runner, prompt, max_new_tokens=30, stream=True))
     assert [t for e in events for t in e.token_ids] == expected.token_ids[0]
     assert [e.finish_reason for e in events] == [None] * 29 + ["length"]
     logits, _ = runner.prefill(prompt)
@@ -163,35 +168,70 @@ def test_onnx_runner_gives_generates_tokens_and_events(tiny_export, prompt_lengt
     torch.testing.assert_close(torch.from_numpy(logits), reference, rtol=1e-4, atol=1e-4)
 
 
-def test_onnx_runner_stops_as_generate_does(tiny_export):
+def test_onnx_model_stops_as_generate_does(tiny_export):
     model, folder = tiny_export
     prompt = [1, 2, 3, 4]
     expected = generate(model, prompt, max_new_tokens=20)
     tokens = expected.token_ids[0]
     eos = tokens[5]
-    out = OnnxRunner(folder).generate(prompt, max_new_tokens=20, eos_token_id=eos)
+    out = generate(OnnxModel(folder), prompt, max_new_tokens=20, eos_token_id=eos)
     assert out.rows[0].finish_reason == "eos" and out.token_ids[0] == tokens[: tokens.index(eos) + 1]
 
 
-def test_onnx_runner_refuses_what_the_export_cannot_run(tiny_export, tmp_path):
+def test_onnx_model_runs_under_the_strategies_as_a_runner_backend(tiny_export):
+    """The export is a model like any other to the runner: prompt lookup verifies chains of drafts through its
+    decode graph and rolls rejected ones back (a shorter row), giving plain greedy's tokens and the PyTorch runner's
+    logits; what the graphs cannot hold (a tree of drafts, two rows, a compiled or paged cache) is refused by name."""
+    model, folder = tiny_export
+    exported = OnnxModel(folder)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # repeats, so prompt lookup drafts
+    expected = generate(model, prompt, max_new_tokens=24).token_ids[0]
+    out = speculative_generate(exported, prompt, PromptLookup(), num_draft_tokens=4, max_new_tokens=24)
+    assert out.token_ids[0] == expected
+    assert out.stats.extra["drafted"] > 0
+    # Verify a draft, forget it, decode: the same logits as the PyTorch model's runner doing the same
+    runners = {"onnx": ModelRunner(exported, max_len=30), "eager": ModelRunner(model, max_len=30)}
+    assert runners["onnx"].graph == "onnx"
+    logits, seqs = {}, {}
+    for name, runner in runners.items():
+        seq = Sequence.create(prompt, SamplingConfig(max_new_tokens=4), vocab_size=exported.config.vocab_size)
+        runner.prefill([seq])
+        seq.append(3)
+        verified = runner.verify([seq], [[40, 41, 42]])  # [1, 4, V]
+        seq.append(44)  # every draft rejected, the target's own token instead
+        runner.rollback([seq])  # the cache forgets the drafts: it holds the prompt and 3
+        logits[name] = torch.cat((verified[0], runner.decode([seq])), 0)
+        assert runner.held(seq) == prompt + [3, 44]
+        seqs[name] = seq
+    torch.testing.assert_close(logits["onnx"], logits["eager"], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="a chain of tokens, not a tree"):
+        runners["onnx"].verify([seqs["onnx"]], [[1, 2]], Tree.from_parents([-1, 0, 0]))
+    with pytest.raises(ValueError, match="exported for batch 1"):
+        generate(exported, [prompt, prompt], max_new_tokens=2)
+    for options in ({"compile": True}, {"cache": "dynamic"}):
+        with pytest.raises(ValueError, match="its own graphs over its own static cache"):
+            generate(exported, prompt, max_new_tokens=2, **options)
+
+
+def test_onnx_model_refuses_what_the_export_cannot_run(tiny_export, tmp_path):
     _, folder = tiny_export
-    runner = OnnxRunner(folder)
+    runner = OnnxModel(folder)
     with pytest.raises(ValueError, match=r"exported graphs hold 64: export with --context 70"):
-        runner.generate(list(range(40)), max_new_tokens=30)
+        generate(runner, list(range(40)), max_new_tokens=30)
     with pytest.raises(ExportError, match="no manifest.json"):
-        OnnxRunner(tmp_path)
+        OnnxModel(tmp_path)
     broken = tmp_path / "broken"
     broken.mkdir()
     for p in folder.iterdir():
         (broken / p.name).write_bytes(p.read_bytes())
     (broken / "decode.onnx").unlink()
     with pytest.raises(ExportError, match="decode.onnx is missing: export again"):
-        OnnxRunner(broken)
+        OnnxModel(broken)
     manifest = json.loads((folder / "manifest.json").read_text())
     (broken / "decode.onnx").write_bytes((folder / "decode.onnx").read_bytes())
     (broken / "manifest.json").write_text(json.dumps(manifest | {"export_id": "another"}))
     with pytest.raises(ExportError, match="comes from another export"):
-        OnnxRunner(broken)
+        OnnxModel(broken)
 
 
 @pytest.mark.slow
@@ -226,14 +266,14 @@ def test_default_model_onnx_matches_eager(default_model, tmp_path):
 
     folder = export_onnx(model, tmp_path / "smollm2", context=256, chunk=32, model_name="default",
                          checkpoint=resolve_checkpoint_folder("default"))
-    runner = OnnxRunner(folder)
+    runner = OnnxModel(folder)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse "
                                            "keeper who finds a message in a bottle on the beach one morning."}],
                                          add_generation_prompt=True)
     prompt = tokenizer.encode(text)
     assert len(prompt) > 32  # longer than one prefill chunk
     expected = generate(model, prompt, max_new_tokens=64, eos_token_id=[])
-    out = runner.generate(prompt, max_new_tokens=64, eos_token_id=[])
+    out = generate(runner, prompt, max_new_tokens=64, eos_token_id=[])
     assert out.token_ids[0] == expected.token_ids[0]
     logits, _ = runner.prefill(prompt)
     with torch.inference_mode():

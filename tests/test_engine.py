@@ -266,7 +266,7 @@ def tiny_with_tokenizer():
     from minillm.model.tiny import from_hf_model, tiny_hf_model
     from minillm.model.tokenizer import gpt2_tokenizer
 
-    return from_hf_model(tiny_hf_model("gpt2", vocab_size=50257, block_size=64)), gpt2_tokenizer()
+    return from_hf_model(tiny_hf_model("gpt2", vocab_size=50257, context_length=64)), gpt2_tokenizer()
 
 
 def test_token_ids_as_1d_tensor_or_array_are_one_prompt(tiny_model):

@@ -27,7 +27,7 @@ def gpt2_logits(state: dict[str, torch.Tensor], config: ModelConfig, tokens: tor
     multi-head (n_kv_head = n_head); the causal mask and residuals are as in the notebook.
 
     state: minillm's parameter names (`Transformer.state_dict()`): tok_emb.weight [V, d],
-      pos_emb.weight [block_size, d], blocks.{i}.norm1.weight/.bias, blocks.{i}.attn.qkv.weight
+      pos_emb.weight [context_length, d], blocks.{i}.norm1.weight/.bias, blocks.{i}.attn.qkv.weight
       [3d, d] (q, k, v rows in that order) and .bias, blocks.{i}.attn.proj.weight/.bias,
       blocks.{i}.norm2.weight/.bias, blocks.{i}.mlp.fc.weight/.bias, blocks.{i}.mlp.proj.weight/.bias,
       norm_f.weight/.bias, lm_head.weight [V, d]. A linear layer computes x @ weight.T + bias.

@@ -42,14 +42,14 @@ def test_exercise_1_gpt2_forward_is_causal(answers):
     assert not torch.allclose(a[:, -1], b[:, -1])
 
 
-SMOLLM2 = ModelConfig(vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_kv_head=3, d_model=576, d_ff=1536,
+SMOLLM2 = ModelConfig(vocab_size=49152, context_length=8192, n_layer=30, n_head=9, n_kv_head=3, d_model=576, d_ff=1536,
                       norm="rmsnorm", positions="rope", rope_theta=100000.0, mlp="swiglu", bias=False, qkv_bias=False)
 CONFIGS = {
     "gpt2-small": ModelConfig(),
     "smollm2-135m": SMOLLM2,
     "tiny-qwen2": config_from_hf(tiny_hf_model("qwen2").config.to_dict()),  # q/k/v bias, tied
     "tiny-llama": config_from_hf(tiny_hf_model("llama").config.to_dict()),  # untied LM head
-    "gpt2-untied-gqa": ModelConfig(n_layer=3, n_head=8, n_kv_head=2, d_model=64, vocab_size=100, block_size=32,
+    "gpt2-untied-gqa": ModelConfig(n_layer=3, n_head=8, n_kv_head=2, d_model=64, vocab_size=100, context_length=32,
                                    tie_embeddings=False),
 }
 

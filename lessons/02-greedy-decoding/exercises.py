@@ -28,12 +28,12 @@ def generate_until(model, prompt_ids: list[int], stop_sequences: list[list[int]]
     raise NotImplementedError
 
 
-def find_cycle(token_ids: list[int], block_size: int) -> tuple[int, int] | None:
+def find_cycle(token_ids: list[int], context_length: int) -> tuple[int, int] | None:
     """Exercise 2: Predict where greedy loops
 
-    With a sliding window of `block_size` tokens (`window_slide=1`), greedy decoding picks token t
-    from the `block_size` tokens before it and nothing else: token_ids[t] = f(token_ids[t-w:t]), w =
-    block_size, for every t >= w. So once a full window repeats, everything after it repeats too.
+    With a sliding window of `context_length` tokens (`window_slide=1`), greedy decoding picks token t
+    from the `context_length` tokens before it and nothing else: token_ids[t] = f(token_ids[t-w:t]), w =
+    context_length, for every t >= w. So once a full window repeats, everything after it repeats too.
 
     token_ids: the whole sequence (prompt + generated) of such a run.
     Find the first k (w <= k <= len(token_ids)) whose window token_ids[k-w:k] equals an earlier
@@ -44,7 +44,7 @@ def find_cycle(token_ids: list[int], block_size: int) -> tuple[int, int] | None:
     raise NotImplementedError
 
 
-def prefill_cost(prompt_len: int, max_new_tokens: int, block_size: int, window_slide: int) -> tuple[int, int]:
+def prefill_cost(prompt_len: int, max_new_tokens: int, context_length: int, window_slide: int) -> tuple[int, int]:
     """Exercise 3: Count the re-prefills
 
     Without running a model, predict what `generate(model, [prompt], max_new_tokens=...,

@@ -12,7 +12,7 @@ from minillm.strategies.generate import generate
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    return tiny_pair("llama")[1]  # block_size 64, vocab 96
+    return tiny_pair("llama")[1]  # context_length 64, vocab 96
 
 
 def first_stop(generated: list[int], stops: list[list[int]]) -> int | None:
@@ -63,7 +63,7 @@ def test_exercise_2_predict_where_greedy_loops(answers):
         assert answers.find_cycle(ids, w) == reference_cycle(ids, w), (ids, w)
     # A real greedy run with a 6-token window: find the cycle in the first 200 tokens, then check
     # that the prediction holds on 100 tokens the answer never saw.
-    _, model = tiny_pair("llama", seed=0, block_size=6)
+    _, model = tiny_pair("llama", seed=0, context_length=6)
     prompt = [5, 17, 42, 8, 3]
     ids = prompt + generate(model, [prompt], max_new_tokens=295).rows[0].token_ids
     seen = ids[:200]

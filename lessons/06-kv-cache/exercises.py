@@ -26,19 +26,19 @@ def kv_cache_bytes(config, batch: int, max_len: int, dtype: torch.dtype) -> int:
 def generate_sliding(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Exercise 2: RoPE sliding without re-prefill
 
-    Greedy-decode `prompt_ids` (at most block_size tokens, batch of one) for `max_new_tokens`
+    Greedy-decode `prompt_ids` (at most context_length tokens, batch of one) for `max_new_tokens`
     tokens WITHOUT ever re-prefilling: prefill once, then forward one token per step. Once the
-    cache holds block_size - 1 tokens, drop the oldest column before appending the new one, so
-    every token attends to at most block_size tokens (itself included). Keep the cached keys as
-    they are and keep counting positions past block_size (`RopeTable` grows to any position).
+    cache holds context_length - 1 tokens, drop the oldest column before appending the new one, so
+    every token attends to at most context_length tokens (itself included). Keep the cached keys as
+    they are and keep counting positions past context_length (`RopeTable` grows to any position).
 
     Write the cache as a subclass of `minillm.cache.kv_cache.KVCache` whose `_write(layer, k_new, v_new)`
     returns what attention sees (see DynamicCache for the pattern) and call
     `model(tokens, positions, cache=your_cache)` yourself. Raise ValueError for a model with
-    learned positions (GPT-2: its position table stops at block_size).
+    learned positions (GPT-2: its position table stops at context_length).
 
     Returns the generated token ids. The check compares them with a brute-force forward over
-    the whole sequence under a banded causal mask (query t sees keys t - block_size + 1 .. t).
+    the whole sequence under a banded causal mask (query t sees keys t - context_length + 1 .. t).
     """
     raise NotImplementedError
 

@@ -14,7 +14,7 @@ from minillm.model.transformer import causal_positions
 
 CONFIGS = {
     "gpt2-small": ModelConfig(),  # 12 heads, plain multi-head attention
-    "smollm2-135m": ModelConfig(vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_kv_head=3, d_model=576,
+    "smollm2-135m": ModelConfig(vocab_size=49152, context_length=8192, n_layer=30, n_head=9, n_kv_head=3, d_model=576,
                                 d_ff=1536, norm="rmsnorm", positions="rope", mlp="swiglu", bias=False,
                                 qkv_bias=False),
     "explicit-head-dim": ModelConfig(vocab_size=100, n_layer=3, n_head=8, n_kv_head=2, d_model=64, head_dim=24,
@@ -34,8 +34,8 @@ def test_exercise_1_cache_bytes_for_any_model(answers, name, dtype):
 
 
 def banded_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """Brute force: every step forwards the whole sequence; query t sees keys t - block_size + 1 .. t."""
-    window, seq = model.config.block_size, list(prompt)
+    """Brute force: every step forwards the whole sequence; query t sees keys t - context_length + 1 .. t."""
+    window, seq = model.config.context_length, list(prompt)
     with torch.inference_mode():
         for _ in range(new_tokens):
             L = len(seq)
@@ -46,12 +46,12 @@ def banded_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("kind,block_size,prompt_len,new_tokens", [
+@pytest.mark.parametrize("kind,context_length,prompt_len,new_tokens", [
     ("llama", 16, 10, 40),   # slides 34 times, positions up to 49
     ("qwen2", 8, 5, 40),     # a tiny window: nearly every token slides
 ])
-def test_exercise_2_rope_sliding_without_re_prefill(answers, kind, block_size, prompt_len, new_tokens):
-    _, model = tiny_pair(kind, block_size=block_size)
+def test_exercise_2_rope_sliding_without_re_prefill(answers, kind, context_length, prompt_len, new_tokens):
+    _, model = tiny_pair(kind, context_length=context_length)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(3)).tolist()
     forwarded = []
     hook = model.register_forward_pre_hook(lambda module, args: forwarded.append(args[0].shape[1]))

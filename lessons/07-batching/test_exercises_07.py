@@ -15,7 +15,7 @@ from minillm.strategies.generate import generate
 
 @pytest.fixture(scope="module")
 def pair():
-    return tiny_pair("llama", block_size=128)
+    return tiny_pair("llama", context_length=128)
 
 
 def random_prompts(lengths, seed=0, vocab=96):
@@ -25,7 +25,7 @@ def random_prompts(lengths, seed=0, vocab=96):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_exercise_1_packed_prefill(answers, kind):
-    _, model = tiny_pair(kind, block_size=128)
+    _, model = tiny_pair(kind, context_length=128)
     rows = random_prompts([5, 1, 12, 3])
     shapes = []
     hook = model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))

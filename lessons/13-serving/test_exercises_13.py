@@ -31,7 +31,7 @@ def test_exercise_1_a_real_stream_decodes_to_the_whole_answer(answers):
 
     answers.sse_decode(["data: [DONE]"])  # skips here, before loading anything, until you answer
     _, tokenizer = load_model("default")
-    _, model = tiny_pair("llama", seed=2, vocab_size=49152, block_size=128)
+    _, model = tiny_pair("llama", seed=2, vocab_size=49152, context_length=128)
     body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0.8, "seed": 3}
     with BackgroundServer(model, tokenizer, num_blocks=32, block_size=8) as server:
         whole = httpx.post(server.base_url + "/completions", json=body).json()["choices"][0]["text"]

@@ -39,7 +39,7 @@ def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     """Exercise 3: A prompt through a fixed-length prefill graph
 
     A prefill graph takes exactly `chunk` tokens. Return the (start, padding) of each run of the graph for a
-    prompt of `length` tokens, following `minillm.speed.onnx_runner`: a prompt of at most `chunk` tokens is one run
+    prompt of `length` tokens, following `minillm.speed.onnx_model`: a prompt of at most `chunk` tokens is one run
     from 0, padded with `chunk - length` tokens; a longer one runs chunks from 0, chunk, 2·chunk, ... while a
     whole chunk fits before the prompt's end, and then one last chunk that ends exactly at the prompt's end
     (overlapping the previous one, no padding).

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minillm.runtime.session import new_token_mask
-from minillm.speed.onnx_runner import OnnxRunner
+from minillm.speed.onnx_model import OnnxModel
 
 
 def test_exercise_1_the_mask_is_the_sessions(answers):
@@ -41,7 +41,7 @@ def test_exercise_2_the_write_replaces_exactly_the_columns(answers):
     assert torch.equal(store, original), "write_columns must not change its input"
 
 
-class Recorder(OnnxRunner):
+class Recorder(OnnxModel):
     """The runner's prefill with the graph replaced by a note of each run's start and padding."""
 
     def __init__(self, chunk):

@@ -5,7 +5,7 @@ produce exactly `new_tokens` tokens, greedy):
 
     minillm eager        `generate()`, the model op by op (with its oneDNN swap in float32)
     minillm compiled     `generate(compile=True)`: torch.compile over the fixed-shape static cache
-    onnxruntime          the exported prefill/decode graphs (`minillm.speed.export`, `minillm.speed.onnx_runner`)
+    onnxruntime          the exported prefill/decode graphs (`minillm.speed.export`, `minillm.speed.onnx_model`)
     transformers         `generate`, its default dynamic cache (the reference)
     llama.cpp F32        llama-cpp-python on an F32 GGUF of the same weights (float32 only,
                          when installed: `minillm.bench.llama_cpp`)
@@ -32,7 +32,7 @@ import torch
 
 from ..speed.compile import compile_model
 from ..speed.export import export_onnx
-from ..speed.onnx_runner import OnnxRunner
+from ..speed.onnx_model import OnnxModel
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import alternate, bandwidth_probe, finish_figure, median, plot_title, spread
@@ -50,7 +50,7 @@ def minillm_run(model, prompt, new_tokens, record, compile: bool):
 
 def onnx_run(runner, prompt, new_tokens, record):
     def run():
-        out = runner.generate(prompt, max_new_tokens=new_tokens, eos_token_id=[])
+        out = generate(runner, [prompt], max_new_tokens=new_tokens)  # ids, no tokenizer: no EOS
         record.append(out.token_ids[0])
         return out.stats.decode_seconds
     return run
@@ -83,7 +83,7 @@ def prefill_runs(model, runner, hf_model, llama, prompt) -> dict:
                                                  compile=True).stats.prefill_seconds,
             "transformers": lambda: timed(lambda: hf_model(torch.tensor([prompt]), logits_to_keep=1))}
     if runner is not None:
-        runs["onnxruntime"] = lambda: runner.generate(prompt, max_new_tokens=1).stats.prefill_seconds
+        runs["onnxruntime"] = lambda: generate(runner, [prompt], max_new_tokens=1).stats.prefill_seconds
     if llama is not None:
         runs["llama.cpp F32"] = lambda: llama.prefill(prompt)
     return runs
@@ -96,14 +96,14 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def export_and_load(model, folder, context: int, chunk: int) -> tuple[OnnxRunner | None, dict]:
+def export_and_load(model, folder, context: int, chunk: int) -> tuple[OnnxModel | None, dict]:
     """Export and load the graphs; (None, the reason) where onnxruntime cannot run this dtype."""
     start = time.perf_counter()
     export_onnx(model, folder, context=context, chunk=chunk)
     exported = time.perf_counter()
     try:
-        runner = OnnxRunner(folder)
-        runner.generate([1, 2, 3], max_new_tokens=2)  # a kernel missing for this dtype fails here, not mid-run
+        runner = OnnxModel(folder)
+        generate(runner, [[1, 2, 3]], max_new_tokens=2)  # a kernel missing for this dtype fails here, not mid-run
     except Exception as e:  # onnxruntime's own exception types
         return None, {"export_seconds": exported - start, "unsupported": onnxruntime_reason(str(e))}
     return runner, {"export_seconds": exported - start, "load_seconds": time.perf_counter() - exported}

@@ -121,12 +121,12 @@ def _integer_dtype(dtype) -> bool:
     return getattr(dtype, "kind", "") in "iu"
 
 
-def check_prompts(rows: list[list[int]], block_size: int, vocab_size: int) -> None:
+def check_prompts(rows: list[list[int]], context_length: int, vocab_size: int) -> None:
     for i, ids in enumerate(rows):
         if not ids:
             raise ValueError(f"prompt {i} is empty: give it at least one token")
-        if len(ids) > block_size:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens but the model's context is {block_size}: shorten it")
+        if len(ids) > context_length:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens but the model's context is {context_length}: shorten it")
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise ValueError(f"prompt {i} holds a token id outside the vocabulary [0, {vocab_size})")
 

@@ -20,7 +20,7 @@ class ModelConfig:
     """Everything that shapes the network. Defaults are GPT-2 small; every other switch is off by default."""
 
     vocab_size: int = 50257
-    block_size: int = 1024  # context length: the most positions the model was trained on
+    context_length: int = 1024  # the most positions the model was trained on (nanoGPT calls it block_size)
     n_layer: int = 12
     n_head: int = 12
     n_kv_head: int | None = None  # grouped-query attention; None means n_head (plain multi-head)
@@ -113,7 +113,7 @@ def describe(config: ModelConfig) -> str:
     return (
         f"{config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads "
         f"({config.kv_heads} KV), {config.positions} positions, {config.norm}, {config.mlp}, "
-        f"~{n_params / 1e6:.0f}M parameters, context {config.block_size}"
+        f"~{n_params / 1e6:.0f}M parameters, context {config.context_length}"
     )
 
 

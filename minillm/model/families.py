@@ -81,7 +81,7 @@ def llama_like(hf: dict, **switches) -> ModelConfig:
     """The config of a Llama-shaped model (RMSNorm, RoPE, gated MLP, GQA), with the family's own switches."""
     refuse(hf, hf.get("mlp_bias", False), "mlp_bias=True")
     settings = dict(
-        vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"], n_layer=hf["num_hidden_layers"],
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"], n_layer=hf["num_hidden_layers"],
         n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"), d_model=hf["hidden_size"],
         d_ff=hf["intermediate_size"], head_dim=hf.get("head_dim"), norm="rmsnorm", norm_eps=hf["rms_norm_eps"],
         positions="rope", mlp="swiglu", bias=False, qkv_bias=False,
@@ -168,7 +168,7 @@ def gpt2_config(hf: dict) -> ModelConfig:
     refuse(hf, hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"),
            f"activation_function={hf.get('activation_function')!r} (only gelu_new)")
     return ModelConfig(
-        vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"], n_head=hf["n_head"],
+        vocab_size=hf["vocab_size"], context_length=hf["n_positions"], n_layer=hf["n_layer"], n_head=hf["n_head"],
         d_model=hf["n_embd"], d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         tie_embeddings=hf.get("tie_word_embeddings", True),
     )
@@ -180,7 +180,7 @@ def gptj_config(hf: dict) -> ModelConfig:
     head_dim = hf["n_embd"] // hf["n_head"]
     rotary_dim = hf.get("rotary_dim")
     return ModelConfig(
-        vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"], n_head=hf["n_head"],
+        vocab_size=hf["vocab_size"], context_length=hf["n_positions"], n_layer=hf["n_layer"], n_head=hf["n_head"],
         d_model=hf["n_embd"], d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         positions="rope", rotary_dim=rotary_dim if rotary_dim not in (None, head_dim) else None, block="parallel",
         qkv_bias=False, attn_out_bias=False, lm_head_bias=True, tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -194,7 +194,7 @@ def opt_config(hf: dict) -> ModelConfig:
     pre = hf.get("do_layer_norm_before", True)
     d_embed = hf.get("word_embed_proj_dim") or hf["hidden_size"]
     return ModelConfig(
-        vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"], n_layer=hf["num_hidden_layers"],
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"], n_layer=hf["num_hidden_layers"],
         n_head=hf["num_attention_heads"], d_model=hf["hidden_size"], d_ff=hf["ffn_dim"], mlp="relu",
         block="pre" if pre else "post", bias=hf.get("enable_bias", True), qkv_bias=hf.get("enable_bias", True),
         d_embed=d_embed if d_embed != hf["hidden_size"] else None,

@@ -23,7 +23,7 @@ FAMILY_KINDS = ("gemma3", "gemma2", "qwen3", "mistral", "phi3", "opt", "opt-pre"
 TINY_WINDOW = 8
 
 
-def tiny_hf_model(kind: str = "llama", seed: int = 0, vocab_size: int = 96, block_size: int = 64, n_layer: int = 2):
+def tiny_hf_model(kind: str = "llama", seed: int = 0, vocab_size: int = 96, context_length: int = 64, n_layer: int = 2):
     """A small random transformers model (eval mode, float32).
 
     TINY_KINDS keep transformers' own initialisation (scaled up a little). FAMILY_KINDS
@@ -34,12 +34,12 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, vocab_size: int = 96, bloc
 
     torch.manual_seed(seed)
     if kind == "gpt2":
-        config = tf.GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=32, n_layer=n_layer, n_head=4,
+        config = tf.GPT2Config(vocab_size=vocab_size, n_positions=context_length, n_embd=32, n_layer=n_layer, n_head=4,
                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                bos_token_id=None, eos_token_id=None)
         model = tf.GPT2LMHeadModel(config)
     elif kind in ("llama", "qwen2"):
-        common = dict(vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=32, intermediate_size=64,
+        common = dict(vocab_size=vocab_size, max_position_embeddings=context_length, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                       tie_word_embeddings=kind == "qwen2")
         if kind == "llama":
@@ -47,7 +47,7 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, vocab_size: int = 96, bloc
         else:
             model = tf.Qwen2ForCausalLM(tf.Qwen2Config(rope_theta=1000000.0, **common))
     elif kind in FAMILY_KINDS:
-        model = tiny_family_model(kind, vocab_size, block_size)
+        model = tiny_family_model(kind, vocab_size, context_length)
         return randomized(model, gemma=kind.startswith("gemma")).eval()
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}: use one of {', '.join(TINY_KINDS + FAMILY_KINDS)}")
@@ -59,12 +59,12 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, vocab_size: int = 96, bloc
     return model.eval()
 
 
-def tiny_family_model(kind: str, vocab_size: int, block_size: int):
+def tiny_family_model(kind: str, vocab_size: int, context_length: int):
     """Four layers (sliding and global ones interleaved where the family has both), two KV heads."""
     import transformers as tf
 
     ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    llama_like = dict(vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=32, intermediate_size=64,
+    llama_like = dict(vocab_size=vocab_size, max_position_embeddings=context_length, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, **ids)
     gemma = dict(llama_like, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
@@ -81,16 +81,16 @@ def tiny_family_model(kind: str, vocab_size: int, block_size: int):
         return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=TINY_WINDOW, **llama_like))
     if kind == "phi3":
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                "original_max_position_embeddings": block_size // 2,
+                "original_max_position_embeddings": context_length // 2,
                 "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0]}
         return tf.Phi3ForCausalLM(tf.Phi3Config(rope_parameters=rope, sliding_window=TINY_WINDOW,
                                                 resid_pdrop=0.0, embd_pdrop=0.0, **llama_like))
     if kind in ("opt", "opt-pre"):
         return tf.OPTForCausalLM(tf.OPTConfig(
             vocab_size=vocab_size, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
-            max_position_embeddings=block_size, word_embed_proj_dim=16, do_layer_norm_before=kind == "opt-pre",
+            max_position_embeddings=context_length, word_embed_proj_dim=16, do_layer_norm_before=kind == "opt-pre",
             dropout=0.0, attention_dropout=0.0, **ids))
-    return tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=vocab_size, n_positions=block_size, n_embd=32, n_layer=4,
+    return tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=vocab_size, n_positions=context_length, n_embd=32, n_layer=4,
                                             n_head=4, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                             bos_token_id=None, eos_token_id=None))
 

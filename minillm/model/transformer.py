@@ -102,10 +102,10 @@ class RopeTable:
     lookup is one gather. `sin` has the rotate-half sign folded in (its first half
     negated), so rotating needs no negation: x * cos + swap_halves(x) * sin.
 
-    The table starts at `block_size` positions and grows on demand (doubling) when a
+    The table starts at `context_length` positions and grows on demand (doubling) when a
     larger position is asked for: RoPE itself has no last position, and keeping a
     cache while sliding past the context (lesson 06) numbers tokens beyond
-    block_size. Each position's angles are computed independently, so growing
+    context_length. Each position's angles are computed independently, so growing
     changes no entry that was already there.
 
     Partial RoPE (`rotary_dim` < head_dim) rotates pairs (i, i + head_dim/2) for
@@ -120,7 +120,7 @@ class RopeTable:
     """
 
     def __init__(self, config: ModelConfig, theta: float | None = None):
-        self.block_size, self.head_dim = config.block_size, config.head_size
+        self.context_length, self.head_dim = config.context_length, config.head_size
         self.theta = config.rope_theta if theta is None else theta
         self.rotary_dim = config.rotary_dim or config.head_size
         self.original_max = config.rope_original_max if config.rope_long_factor is not None else None
@@ -136,7 +136,7 @@ class RopeTable:
         table = self.tables.get(key)
         size = len(table[0]) if table is not None else 0
         if table is None or needed > size:
-            self.tables[key] = self.build(max(self.block_size, needed, 2 * size), dtype, positions.device, long)
+            self.tables[key] = self.build(max(self.context_length, needed, 2 * size), dtype, positions.device, long)
         cos, sin = self.tables[key]
         return cos[positions][:, :, None], sin[positions][:, :, None]
 
@@ -310,7 +310,7 @@ class Transformer(nn.Module):
         d, d_embed = config.d_model, config.embed_size
         self.tok_emb = nn.Embedding(config.vocab_size, d_embed)
         self.proj_in = nn.Linear(d_embed, d, bias=False) if d_embed != d else None
-        self.pos_emb = nn.Embedding(config.block_size, d) if config.positions == "learned" else None
+        self.pos_emb = nn.Embedding(config.context_length, d) if config.positions == "learned" else None
         window = SlidingWindow(config.sliding_window) if config.sliding_window is not None else None
         self.blocks = nn.ModuleList(Block(config, window if config.is_sliding(i) else None)
                                     for i in range(config.n_layer))

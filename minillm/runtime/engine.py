@@ -114,12 +114,12 @@ class Engine:
         if len(rows) != 1:
             raise ValueError(f"add_request takes one prompt, got {len(rows)}: call it once per prompt")
         (prompt_ids,) = rows
-        block = self.model.config.block_size
-        check_prompts([prompt_ids], block, self.model.config.vocab_size)
+        context = self.model.config.context_length
+        check_prompts([prompt_ids], context, self.model.config.vocab_size)
         (config,) = row_configs(config, 1, config_overrides)
         if config.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass Engine(model, tokenizer)")
-        max_new = min(config.max_new_tokens, block - len(prompt_ids))  # the context is the limit too
+        max_new = min(config.max_new_tokens, context - len(prompt_ids))  # the context is the limit too
         longest = len(prompt_ids) + max_new
         if blocks_for(longest, self.manager.block_size) > self.manager.num_blocks:
             raise ValueError(f"request of {len(prompt_ids)} prompt tokens + {max_new} new tokens needs "

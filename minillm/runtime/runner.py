@@ -15,7 +15,8 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
     cache   "static" (preallocated, lesson 06), "dynamic" (grows), "none" (recompute: the
             baseline the cache is measured against), or "paged" (a block pool, lesson 12)
     graph   "eager" (the model's own forward) or "compiled" (fixed-shape graphs over a static
-            cache of a bucketed length, lesson 15: `minillm.speed.compile`)
+            cache of a bucketed length, lesson 15: `minillm.speed.compile`); a model exported to
+            ONNX (`minillm.speed.onnx_model.OnnxModel`) is its own graphs: graph "onnx", set by itself
 
 For contiguous caches the runner keeps its rows in the order of the sequences it was last
 given; a step over fewer sequences (some finished) drops the others' rows, so a strategy
@@ -29,11 +30,12 @@ import torch
 
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..speed.compile import compile_model, context_bucket
+from ..speed.onnx_model import OnnxModel, OnnxSession
 from .sequence import Sequence
 from .session import DecodeSession, Tree
 
 CACHES = ("static", "dynamic", "none", "paged")
-GRAPHS = ("eager", "compiled")
+GRAPHS = ("eager", "compiled", "onnx")
 
 
 class ModelRunner:
@@ -49,15 +51,22 @@ class ModelRunner:
             raise ValueError(f"graph={graph!r} is invalid: use one of {', '.join(GRAPHS)}")
         if graph == "compiled" and cache != "static":
             raise ValueError(f"compiled graphs run over the static cache, not cache={cache!r}: use cache='static'")
-        self.model, self.cache_kind, self.graph = model, cache, graph
+        exported = isinstance(model, OnnxModel)
+        if graph == "onnx" and not exported or exported and (graph == "compiled" or cache != "static"):
+            raise ValueError("an ONNX export runs its own graphs over its own static cache: load it with "
+                             "OnnxModel(folder) and leave cache and compile at their defaults")
+        self.model, self.cache_kind, self.graph = model, cache, "onnx" if exported else graph
         self.rows: list[Sequence] = []  # the sequences the contiguous cache holds, in row order
+        if exported:
+            self.session = OnnxSession(model, max_len, max_batch)
+            return
         if cache == "paged":
             if num_blocks is None:
                 raise ValueError("a paged runner needs num_blocks (the pool's size)")
             self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
             self.session = None
             return
-        context = model.config.block_size
+        context = model.config.context_length
         if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already compiled
             self.session = DecodeSession(compile_model(model), cache, context_bucket(max_len or context, context),
                                          max_batch, fixed_shape=True)

@@ -73,7 +73,7 @@ class DecodeSession:
         the most rows `select` will make (a static cache is allocated for them up front);
         fixed_shape: every forward sees all max_len cache columns, masked (compiled graphs need it)."""
         self.model, self.cache_kind, self.max_batch, self.fixed_shape = model, cache, max_batch, fixed_shape
-        self.max_len = min(max_len or model.config.block_size, model.config.block_size)
+        self.max_len = min(max_len or model.config.context_length, model.config.context_length)
         make_cache(cache, model, 0, 0, fixed_shape)  # refuses an unknown kind now, not at the first forward
         self.cache: KVCache | None = None
         self.rows: list[list[int]] = []  # every token each row holds (in the cache, when there is one)

@@ -467,7 +467,7 @@ def check_args(args) -> None:
 
 def context_limit(model, engine: Engine, requested: int | None) -> int:
     """--max-model-len checked against the model's context and the pool (one request at its longest must fit)."""
-    context, pool = model.config.block_size, engine.manager.capacity
+    context, pool = model.config.context_length, engine.manager.capacity
     if requested is None:
         return min(context, pool)
     if requested > context:

@@ -86,9 +86,9 @@ def graph_ready_copy(model):
                          "position, which a fixed graph cannot do: run this model without compile/export")
     graph_model = use_plain_linear(copy.deepcopy(model))
     if graph_model.rope is not None:
-        graph_model.rope = FixedRope(graph_model.rope, config.block_size, model.dtype, model.device)
+        graph_model.rope = FixedRope(graph_model.rope, config.context_length, model.dtype, model.device)
     if graph_model.rope_local is not None:
-        graph_model.rope_local = FixedRope(graph_model.rope_local, config.block_size, model.dtype, model.device)
+        graph_model.rope_local = FixedRope(graph_model.rope_local, config.context_length, model.dtype, model.device)
     return graph_model
 
 
@@ -245,7 +245,7 @@ class CompiledModel:
         if pad:
             ahead = torch.arange(1, pad + 1, device=tokens.device)
             tokens = torch.cat((tokens, tokens[:, -1:].expand(B, pad)), dim=1)
-            positions = torch.cat((positions, (positions[:, -1:] + ahead).clamp(max=self.config.block_size - 1)), 1)
+            positions = torch.cat((positions, (positions[:, -1:] + ahead).clamp(max=self.config.context_length - 1)), 1)
             columns = torch.cat((columns, columns[:, -1:] + ahead), dim=1)
             mask = torch.cat((mask, mask[:, -1:].expand(B, pad, mask.shape[-1])), dim=1)
         if last_only:
@@ -308,11 +308,11 @@ def inductor_settings(autotune: bool, device):
 SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
 
 
-def context_bucket(tokens: int, block_size: int) -> int:
+def context_bucket(tokens: int, context_length: int) -> int:
     """The fixed cache length for a run of `tokens` tokens: the next power of two (at least SMALLEST_BUCKET),
     capped at the model's context. A power of two from 256 up is a multiple of the usual chunk lengths, so
     a prompt's padded last chunk still fits."""
-    return min(block_size, max(SMALLEST_BUCKET, 1 << (tokens - 1).bit_length()))
+    return min(context_length, max(SMALLEST_BUCKET, 1 << (tokens - 1).bit_length()))
 
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -15,7 +15,7 @@ the attention mask is computed inside the graph from the positions (a token sees
 the columns up to its own position), so the caller passes no mask. The graph is
 specialised twice, as the Cloud AI 100 recipe compiles it twice: `prefill.onnx`
 with T = `chunk` (a prompt goes through in chunks) and `decode.onnx` with T = 1.
-Both graphs read one weights file (`weights.data`). `minillm.speed.onnx_runner` runs them
+Both graphs read one weights file (`weights.data`). `minillm.speed.onnx_model` runs them
 with onnxruntime.
 
 The export goes through `torch.onnx.export(..., dynamo=True)`: `torch.export`
@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from ..base import jsonio
 from .compile import graph_forward, graph_ready_copy
-from .onnx_runner import FORMAT, GRAPHS, MANIFEST, WEIGHTS, input_names, output_names
+from .onnx_model import FORMAT, GRAPHS, MANIFEST, WEIGHTS, input_names, output_names
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
 
@@ -138,9 +138,9 @@ def export_onnx(model, out: str | Path, context: int, chunk: int, model_name: st
     """
     c = model.config
     check_sizes(context, chunk)
-    if context > c.block_size:
-        raise ValueError(f"--context {context} is longer than the model's context ({c.block_size}): "
-                         f"use at most {c.block_size}")
+    if context > c.context_length:
+        raise ValueError(f"--context {context} is longer than the model's context ({c.context_length}): "
+                         f"use at most {c.context_length}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

@@ -99,9 +99,9 @@ def continuation_logprobs(model, prompt_ids: list[int], token_ids: list[int]) ->
     if not token_ids:
         return torch.zeros(0)
     ids = list(prompt_ids) + list(token_ids)
-    if len(ids) > model.config.block_size:
+    if len(ids) > model.config.context_length:
         raise ValueError(f"prompt + continuation is {len(ids)} tokens but the model's context is "
-                         f"{model.config.block_size}: score a shorter continuation")
+                         f"{model.config.context_length}: score a shorter continuation")
     tokens = torch.tensor([ids], device=model.device)
     logits = model(tokens, torch.arange(len(ids), device=model.device)[None])[0, len(prompt_ids) - 1:-1]  # [N, V]
     log_probs = logits.float().log_softmax(dim=-1)
@@ -133,11 +133,11 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     config = (config or SamplingConfig()).with_(**config_overrides)
     check_beam_options(config, num_beams, length_penalty, early_stopping, num_return_sequences)
     prompt_ids = encode_prompts(prompts, tokenizer)
-    check_prompts(prompt_ids, model.config.block_size, model.config.vocab_size)
+    check_prompts(prompt_ids, model.config.context_length, model.config.vocab_size)
     longest = max(map(len, prompt_ids))
-    if longest + config.max_new_tokens > model.config.block_size:
+    if longest + config.max_new_tokens > model.config.context_length:
         raise BeamSearchError(f"prompt ({longest} tokens) + max_new_tokens={config.max_new_tokens} exceeds the "
-                              f"model's context of {model.config.block_size}: beam search does not slide the "
+                              f"model's context of {model.config.context_length}: beam search does not slide the "
                               f"window; lower max_new_tokens")
     eos = eos_ids(config.eos_token_id, tokenizer)
     if num_beams == 1:

@@ -16,7 +16,7 @@ stream and stop state: this module only asks the runner for logits, draws each s
 next token and lets finished ones leave. Pass a list of configs for one per row: a server
 batches requests that way.
 
-The context window. A model only knows `block_size` positions. When a row outgrows
+The context window. A model only knows `context_length` positions. When a row outgrows
 it, its window (the tokens the model sees) moves forward by `window_slide` tokens
 and the batch is prefilled again from the new windows. The rule is the same with
 and without a cache, so all cache kinds give the same tokens; sliding by more than
@@ -38,12 +38,12 @@ from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence, sample_next
 
 
-def sliding_window_start(length: int, start: int, block_size: int, slide: int) -> int:
+def sliding_window_start(length: int, start: int, context_length: int, slide: int) -> int:
     """Where a row's window begins once it holds `length` tokens: unchanged while it fits,
     else moved forward by `slide` (at least far enough to fit)."""
-    if length - start <= block_size:
+    if length - start <= context_length:
         return start
-    return max(start + slide, length - block_size)
+    return max(start + slide, length - context_length)
 
 
 class Generation:
@@ -59,7 +59,7 @@ class Generation:
             raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
         self.model, self.tokenizer, self.window_slide = model, tokenizer, window_slide
         prompt_ids = encode_prompts(prompts, tokenizer)
-        check_prompts(prompt_ids, model.config.block_size, model.config.vocab_size)
+        check_prompts(prompt_ids, model.config.context_length, model.config.vocab_size)
         configs = row_configs(config, len(prompt_ids), config_overrides)
         if any(c.stop for c in configs) and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
@@ -76,7 +76,7 @@ class Generation:
         if self.started:
             raise RuntimeError("a Generation runs once: call generate() again for another run")
         self.started = True
-        runner, block = self.runner, self.model.config.block_size
+        runner, context = self.runner, self.model.config.context_length
         t_start = time.perf_counter()
         for seq in self.seqs:
             if seq.finished:  # max_new_tokens == 0
@@ -97,7 +97,7 @@ class Generation:
                 break
             slid = False
             for seq in active:
-                start = sliding_window_start(len(seq.tokens), seq.window_start, block, self.window_slide)
+                start = sliding_window_start(len(seq.tokens), seq.window_start, context, self.window_slide)
                 slid |= start != seq.window_start
                 seq.window_start = start
             # A row that outgrew the context restarts every row from its window; else one token each.
@@ -120,7 +120,7 @@ def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | Non
     tokenizer: needed for text prompts, text output, stop strings and streaming.
     cache: "static" (default), "dynamic", or "none" (recompute everything each step).
     streamer: an object with `put(row, text)` and `end()` that receives final text as it forms.
-    window_slide: how far the context window moves when a row outgrows `block_size`.
+    window_slide: how far the context window moves when a row outgrows `context_length`.
     stream: return the `Generation` to iterate over its events instead of running it.
     compile: run the model as compiled graphs over a fixed-shape static cache (lesson 15,
         `minillm.speed.compile`); the first call compiles (slow), later ones reuse the graphs.
@@ -143,7 +143,7 @@ def generate_in_batches(model, prompts, batch_size: int, config=None, *, tokeniz
     are the ones `generate()` gives it alone, so the split changes speed, never output.
     """
     rows = encode_prompts(prompts, tokenizer)
-    check_prompts(rows, model.config.block_size, model.config.vocab_size)  # name the bad row by its input index
+    check_prompts(rows, model.config.context_length, model.config.vocab_size)  # name the bad row by its input index
     configs = row_configs(config, len(rows), {})
     outputs, stats = [None] * len(rows), GenerationStats()
     for index in length_sorted_chunks([len(r) for r in rows], batch_size):

@@ -79,10 +79,10 @@ class SpeculativeDecoder:
         check_num_draft_tokens(num_draft_tokens)
         if cache not in ("static", "dynamic"):
             raise ValueError(f"cache={cache!r}: speculative decoding rolls back a KV cache; use 'static' or 'dynamic'")
-        block = model.config.block_size
-        if len(prompt_ids) + config.max_new_tokens > block:
+        context = model.config.context_length
+        if len(prompt_ids) + config.max_new_tokens > context:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed the "
-                             f"model's context of {block}: speculative decoding does not slide the window; "
+                             f"model's context of {context}: speculative decoding does not slide the window; "
                              f"shorten the prompt or lower max_new_tokens")
         if config.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
@@ -261,7 +261,7 @@ class SpeculativeGeneration:
         rows = encode_prompts(prompt, tokenizer)
         if len(rows) != 1:
             raise ValueError(f"speculative decoding takes one prompt at a time (got {len(rows)}): call it per prompt")
-        check_prompts(rows, model.config.block_size, model.config.vocab_size)
+        check_prompts(rows, model.config.context_length, model.config.vocab_size)
         self.decoder = SpeculativeDecoder(model, drafter, rows[0], config, num_draft_tokens=num_draft_tokens,
                                           tokenizer=tokenizer, cache=cache, adaptive=adaptive)
         self.prompt_length = len(rows[0])

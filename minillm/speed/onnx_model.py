@@ -1,37 +1,37 @@
-"""Generate with an exported model (`minillm.speed.export`) through onnxruntime: chunked prefill, then one token per step.
+"""An exported model (`minillm.speed.export`) in onnxruntime, run by the model runner like any other model.
 
-The runner owns what the decode session owns in PyTorch: the KV cache (here the
-graphs' `present_*` outputs, fed back as the next step's `past_*` inputs, never
-copied out of onnxruntime) and the positions. Token choice, stopping and streaming
-are the package's own (`minillm.decoding.sampling`, `minillm.decoding.stopping`,
-`minillm.decoding.outputs`): the runner yields the same `GenerationEvent`s as
-`generate(..., stream=True)` and returns the same `GenerationOutput`.
+`OnnxModel` loads an export's two graphs (prefill, decode) and its tokenizer and
+checks them against the manifest. It is handed to `generate` (or any strategy built
+on `minillm.runtime.runner.ModelRunner`) in place of a PyTorch model; the runner
+then keeps its cache in an `OnnxSession`: the graphs' `present_*` outputs, fed back as
+the next step's `past_*` inputs, never copied out of onnxruntime. Token choice,
+stopping, streaming and the request's life are the package's own, so an export gives
+the same tokens, events and outputs as the model it came from.
 
 A prompt goes through the prefill graph `chunk` tokens at a time. A prompt shorter
 than one chunk is padded on the right: the padding takes the next positions and
 writes columns that the first generated tokens overwrite before anything attends
 to them. A longer prompt's last chunk is instead the prompt's last `chunk`
 tokens: it recomputes a few keys already written (the same values), so no
-padding is needed near the end of the context.
+padding is needed near the end of the context. The graphs mask by position (a token
+sees the columns up to its own), so forgetting tokens (a rejected draft) is only a
+shorter row: their columns are overwritten before anything reads them.
 
-    runner = OnnxRunner("exports/smollm2")
-    for event in runner.generate("Once upon a time", max_new_tokens=32, stream=True):
+    model = OnnxModel("exports/smollm2")
+    for event in generate(model, "Once upon a time", tokenizer=model.tokenizer, max_new_tokens=32, stream=True):
         print(event.text, end="")
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from ..base.jsonio import read_json
-from ..decoding.outputs import GenerationEvent, GenerationOutput, GenerationStats, RowOutput, drain, encode_prompts
-from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows
-from ..decoding.stopping import RowState
 from ..model.tokenizer import tokenizer_from_folder
 
 FORMAT = 1  # manifest layout; a runner refuses exports of another format
@@ -53,8 +53,10 @@ class ExportError(ValueError):
     """An export folder that cannot be run as it is; the message says how to make one that can."""
 
 
-class OnnxRunner:
+class OnnxModel:
     """The two graphs of one export, loaded into onnxruntime, with the export's tokenizer."""
+
+    device = torch.device("cpu")  # onnxruntime's CPU provider: inputs and logits live in host memory
 
     def __init__(self, folder: str | Path, threads: int | None = None):
         import onnxruntime as ort
@@ -72,6 +74,8 @@ class OnnxRunner:
                 raise ExportError(f"{folder / name} is missing: {again}")
         self.context, self.chunk, self.n_layer = m["context"], m["chunk"], m["n_layer"]
         self.vocab_size = m["vocab_size"]
+        # What the runner and the request checks read of a model's config: the export's sizes
+        self.config = SimpleNamespace(vocab_size=self.vocab_size, context_length=self.context, n_layer=self.n_layer)
         self.kv_shape = (1, m["n_kv_head"], self.context, m["head_dim"])
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or os.cpu_count() or 1
@@ -141,70 +145,65 @@ class OnnxRunner:
             logits, cache = self.step("prefill", ids[start : start + C], start, cache)
         return logits[-1], cache
 
-    def generate(self, prompt, config: SamplingConfig | None = None, *, stream: bool = False, streamer=None,
-                 **config_overrides):
-        """Like `minillm.strategies.generate.generate` for one prompt: a GenerationOutput, or with stream=True the run to iterate."""
-        run = OnnxGeneration(self, prompt, config, **config_overrides)
-        return run if stream else drain(run, streamer)
 
 
-class OnnxGeneration:
-    """One prompt's run through the exported graphs: iterate it for events; `output` holds the result."""
+class OnnxSession:
+    """The decode session's verbs (`minillm.runtime.session`) for one row over an export's graphs.
 
-    def __init__(self, runner: OnnxRunner, prompt, config: SamplingConfig | None = None, **config_overrides):
-        rows = encode_prompts(prompt, runner.tokenizer)
+    The cache is the list of onnxruntime values the last graph returned; a row's length
+    is its next position. Several tokens after a prefill (a speculative draft) go through
+    the decode graph one at a time: the same logits a wider graph would give.
+    """
+
+    def __init__(self, model: OnnxModel, max_len: int | None = None, max_batch: int = 1):
+        if max_batch != 1:
+            raise ValueError(f"{max_batch} rows asked for: the ONNX graphs were exported for batch 1; "
+                             f"run one prompt at a time")
+        if max_len is not None and max_len > model.context:
+            raise ValueError(f"the prompt plus max_new_tokens needs {max_len} positions but the exported graphs "
+                             f"hold {model.context}: export with --context {max_len} or more, or shorten the "
+                             f"prompt or the output")
+        self.model, self.max_len = model, model.context
+        self.rows: list[list[int]] = []
+        self.cache: list = []
+
+    @staticmethod
+    def _tensor(logits: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+
+    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        """Start over with one prompt; next-token logits [1, V]."""
         if len(rows) != 1:
             raise ValueError(f"{len(rows)} prompts given: the ONNX graphs were exported for batch 1; "
                              f"run one prompt at a time")
-        self.runner, self.prompt_ids = runner, rows[0]
-        config = config or SamplingConfig()
-        self.config = config.with_(**config_overrides) if config_overrides else config
-        n, wanted = len(self.prompt_ids), len(self.prompt_ids) + self.config.max_new_tokens
-        if not n:
-            raise ValueError("the prompt is empty: give it at least one token")
-        if max(self.prompt_ids) >= runner.vocab_size or min(self.prompt_ids) < 0:
-            raise ValueError(f"the prompt holds a token id outside the vocabulary [0, {runner.vocab_size})")
-        if wanted > runner.context:
-            raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({self.config.max_new_tokens}) needs "
-                             f"{wanted} positions but the exported graphs hold {runner.context}: export with "
-                             f"--context {wanted} or more, or shorten the prompt or the output")
-        if self.config.stop and runner.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: this export has none (tokenizer.json)")
-        self.state = RowState.for_config(self.prompt_ids, self.config, runner.tokenizer)
-        self.stats = GenerationStats(prompt_tokens=n)
-        self.output: GenerationOutput | None = None
+        self.rows = [list(rows[0])]
+        logits, self.cache = self.model.prefill(self.rows[0])
+        return self._tensor(logits)[None]
 
-    @torch.inference_mode()
-    def __iter__(self):
-        runner, state, config = self.runner, self.state, self.config
-        t_start = time.perf_counter()
-        if state.finished:  # max_new_tokens == 0
-            yield GenerationEvent(0, [], "", state.finish_reason)
-        else:
-            generators = generators_for([config])
-            history = TokenHistory.from_prompts([self.prompt_ids], runner.vocab_size, None) \
-                if config.uses_penalties else None
-            logits, cache = runner.prefill(self.prompt_ids)
-            position, t_first = len(self.prompt_ids), None
-            while True:
-                self.stats.forward_passes += 1
-                scores = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))[None]  # [1, V]
-                token = choose_rows(process_rows(scores, [config], history), [config], generators)  # [1]
-                if history is not None:
-                    history.add(token)
-                state.push(int(token))
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    self.stats.prefill_seconds = t_first - t_start
-                yield GenerationEvent(0, [int(token)], state.new_text(), state.finish_reason)
-                if state.finished:
-                    break
-                logits, cache = runner.step("decode", [int(token)], position, cache)
-                logits, position = logits[0], position + 1
-            self.stats.decode_seconds = time.perf_counter() - t_first
-        self.stats.decode_tokens = max(len(state.token_ids) - 1, 0)
-        self.output = GenerationOutput([RowOutput.from_state(state)], self.stats)
+    def extend(self, tokens, tree=None) -> torch.Tensor:
+        """Feed T tokens after the row, one decode graph each; logits [1, T, V] after each."""
+        if tree is not None:
+            raise ValueError("the exported graphs take a chain of tokens, not a tree: verify a chain "
+                             "(prompt lookup, a draft model) or run the PyTorch model")
+        (row,) = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        logits = []
+        for token in row:
+            step_logits, self.cache = self.model.step("decode", [int(token)], len(self.rows[0]), self.cache)
+            self.rows[0].append(int(token))
+            logits.append(step_logits[0])
+        return self._tensor(np.stack(logits))[None]
+
+    def rollback(self, lengths: list[int]) -> None:
+        """Forget the row's tokens past lengths[0]: the graphs mask by position, so this is only a length."""
+        self.rows[0] = self.rows[0][: lengths[0]]
+
+    def select(self, index) -> None:
+        if [int(i) for i in index] != [0]:
+            raise ValueError("the ONNX graphs hold one row: beams and batches need the PyTorch model")
+
+    def keep_positions(self, row: int, positions: list[int]) -> None:
+        raise ValueError("the exported graphs take a chain of tokens, not a tree: run the PyTorch model")
 
 
-__all__ = ["OnnxRunner", "OnnxGeneration", "ExportError", "GRAPHS", "MANIFEST", "WEIGHTS", "FORMAT",
+__all__ = ["OnnxModel", "OnnxSession", "ExportError", "GRAPHS", "MANIFEST", "WEIGHTS", "FORMAT",
            "input_names", "output_names"]
