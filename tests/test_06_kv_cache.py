@@ -221,7 +221,7 @@ def test_rope_table_grows_past_the_context_with_exact_angles():
     import math
 
     from minillm.model.config import ModelConfig
-    from minillm.model.transformer import RopeTable
+    from minillm.model.rope import RopeTable
 
     config = ModelConfig(vocab_size=32, context_length=16, n_layer=1, n_head=2, d_model=16, positions="rope",
                          norm="rmsnorm", mlp="swiglu")

@@ -16,7 +16,7 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     statistics AND the scaling done in float32, and the result cast back to x's dtype at the very end.
     (Llama casts the normalised x back first and then multiplies by weight: in bf16 the two differ.)
 
-    The check compares with `minillm.model.transformer.GemmaRMSNorm` and transformers' `Gemma3RMSNorm`, bit for bit, in
+    The check compares with `minillm.model.norms.GemmaRMSNorm` and transformers' `Gemma3RMSNorm`, bit for bit, in
     float32 and bfloat16, with a random weight (a zero weight, Gemma's initialisation, would hide a missing 1).
     """
     raise NotImplementedError
@@ -45,7 +45,7 @@ def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
     for i < rotary_dim/2, and the (head_dim - rotary_dim) unrotated dims in the places left over, in order:
     the first half of them right after the first rotary_dim/2 dims, the second half at the end.
 
-    The check compares with `minillm.model.families.rotary_order` and rotates random q and k both ways: the scores
+    The check compares with `minillm.model.weight_names.rotary_order` and rotates random q and k both ways: the scores
     q·k must agree (reordering q and k alike changes no dot product).
     """
     raise NotImplementedError

@@ -1,7 +1,7 @@
 """Checks for lesson 17's exercises: `pytest lessons/17-model-families` (yours) or `--solutions`.
 
 References: minillm's and transformers' norms, a brute-force mask and transformers' MistralForCausalLM,
-`minillm.model.families.rotary_order` and GPT-J's own rotation of neighbouring pairs.
+`minillm.model.weight_names.rotary_order` and GPT-J's own rotation of neighbouring pairs.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from minillm.model.config import ModelConfig
-from minillm.model.families import rotary_order
+from minillm.model.norms import GemmaRMSNorm
+from minillm.model.rope import RopeTable, apply_rope
 from minillm.model.tiny import TINY_WINDOW, tiny_pair
-from minillm.model.transformer import GemmaRMSNorm, RopeTable, apply_rope
+from minillm.model.weight_names import rotary_order
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

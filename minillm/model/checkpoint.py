@@ -2,7 +2,8 @@
 
 Weights are only ever read from safetensors or `torch.load(weights_only=True)`: nothing
 here unpickles arbitrary objects. Weights that are NaN or infinite are refused. Each
-family's names and layouts are mapped onto ours by `minillm.model.families`.
+family (`minillm.model.families`) reads its config.json into a `ModelConfig` and maps its
+names and layouts onto ours (`minillm.model.weight_names`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,22 @@
-"""Model families: a checkpoint's architecture -> a `ModelConfig` and our parameter names.
+"""Model families: which architectures minillm reads, and how each one's config.json becomes a `ModelConfig`.
 
 One `Transformer` class runs every family; what differs is a handful of config
 switches (lesson 17). Each family here says how to read them off a transformers
-`config.json` and how to rename (and fuse, or reorder) its tensors:
+`config.json`, refusing in one line a setting minillm does not implement, and names
+the function that renames (and fuses, or reorders) its tensors (`minillm.model.weight_names`):
 
     family = family_for(hf_config)            # refuses an unknown architecture in one line
     config = family.config(hf_config)         # -> ModelConfig
     state, origin = family.state(weights, config)   # our names -> tensors; our names -> theirs (for errors)
 
-GGUF files name architectures and tensors their own way (llama.cpp's); `GGUF_FAMILIES`
-maps those onto the Hugging Face names, so a GGUF is converted once into an ordinary
-checkpoint folder and loaded like any other (`minillm.model.loading`).
+GGUF files name architectures and tensors their own way (llama.cpp's);
+`minillm.model.gguf.GGUF_FAMILIES` maps those onto the Hugging Face names, so a GGUF is
+converted once into an ordinary checkpoint folder and loaded like any other (`minillm.model.loading`).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,13 +24,11 @@ import torch
 
 from .config import ModelConfig
 from .fetch import ModelLoadError
+from .weight_names import StateBuilder, gpt2_state, gptj_state, llama_like_state, opt_state
 
 
 class UnsupportedModel(ModelLoadError):
     """A checkpoint whose architecture, or one of whose settings, minillm does not implement."""
-
-
-# ------------------------------------------------------------------ reading a config.json
 
 
 def rope_settings(hf: dict, layer_type: str | None = None) -> dict:
@@ -203,172 +200,7 @@ def opt_config(hf: dict) -> ModelConfig:
     )
 
 
-# ------------------------------------------------------------------ renaming the tensors
-
-
-class StateBuilder:
-    """Our state dict, filled from a transformers one, remembering where each tensor came from.
-
-    `origin` maps our names to the checkpoint's, so an error about a tensor of the wrong
-    shape can name the one in the file.
-    """
-
-    def __init__(self, hf_weights: dict[str, torch.Tensor]):
-        self.weights = hf_weights
-        self.w = {re.sub(r"^(transformer|model)\.(decoder\.)?", "", k): v for k, v in hf_weights.items()}
-        self.state: dict[str, torch.Tensor] = {}
-        self.origin: dict[str, str] = {}
-
-    def put(self, ours: str, *theirs: str, change: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """state[ours] = the named tensors, stacked along rows when several (q/k/v, gate/up), then `change`d."""
-        tensors = [self.weights[name] if name.startswith("lm_head.") else self.w[name] for name in theirs]
-        tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-        self.state[ours] = change(tensor) if change is not None else tensor
-        self.origin[ours] = brace(theirs)
-
-    def put_linear(self, ours: str, theirs: list[str], bias: bool, change=None) -> None:
-        self.put(f"{ours}.weight", *[f"{t}.weight" for t in theirs], change=change)
-        if bias:
-            self.put(f"{ours}.bias", *[f"{t}.bias" for t in theirs], change=change)
-
-    def put_norm(self, ours: str, theirs: str, bias: bool = False) -> None:
-        self.put_linear(ours, [theirs], bias)
-
-    def finish(self, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Tied: the same tensor under both names, so strict loading sees every parameter."""
-        if config.tie_embeddings:
-            self.state["lm_head.weight"], self.origin["lm_head.weight"] = self.state["tok_emb.weight"], "(tied)"
-        else:
-            self.put_linear("lm_head", ["lm_head"], config.lm_head_bias)
-        return self.state, self.origin
-
-
-def brace(names) -> str:
-    """["a.q_proj.w", "a.k_proj.w"] -> "a.{q,k}_proj.w": several stacked tensors named in one phrase."""
-    if len(names) == 1:
-        return names[0]
-    prefix = os.path.commonprefix(list(names))
-    suffix = os.path.commonprefix([n[len(prefix):][::-1] for n in names])[::-1]
-    return f"{prefix}{{{','.join(n[len(prefix):len(n) - len(suffix)] for n in names)}}}{suffix}"
-
-
-def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool) -> torch.Tensor:
-    """long [head_dim]: the order of one head's dims that puts rotating pairs at (i, i + head_dim/2).
-
-    `minillm.model.transformer.RopeTable` rotates dims i and i + head_dim/2 together and leaves the
-    dims it gives angle 0 alone. Checkpoints pair differently: transformers' rotate-half
-    pairs (i, i + rotary_dim/2) within the first rotary_dim dims; GPT-J pairs neighbours
-    (2i, 2i + 1). Reordering q's and k's rows alike leaves every score q·k unchanged.
-    """
-    half, still = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    first = torch.arange(0, rotary_dim, 2) if interleaved else torch.arange(half)
-    second = first + 1 if interleaved else torch.arange(half, rotary_dim)
-    passing = torch.arange(rotary_dim, head_dim)
-    return torch.cat((first, passing[:still], second, passing[still:]))
-
-
-def reorder_rotary(config: ModelConfig, interleaved: bool, heads: int | None = None):
-    """A `change` for q/k rows ([heads * head_dim, ...]): each head's dims in `rotary_order`, or None if none is needed."""
-    hd = config.head_size
-    rd = config.rotary_dim or hd
-    if rd == hd and not interleaved:
-        return None
-    order = rotary_order(hd, rd, interleaved)
-
-    def change(t: torch.Tensor) -> torch.Tensor:
-        n = heads or t.shape[0] // hd
-        return t.reshape(n, hd, *t.shape[1:])[:, order].reshape(t.shape)
-
-    return change
-
-
-def reorder_fused_qkv(config: ModelConfig, interleaved: bool = False):
-    """`reorder_rotary` for a fused qkv weight: the q and k heads are reordered, v's rows kept."""
-    qk = reorder_rotary(config, interleaved)
-    if qk is None:
-        return None
-    rows = (config.n_head + config.kv_heads) * config.head_size
-    return lambda t: torch.cat((qk(t[:rows]), t[rows:]))
-
-
-def llama_like_state(b: StateBuilder, config: ModelConfig) -> None:
-    """Llama, Qwen2/3, Mistral, Gemma 2/3 (separate q/k/v and gate/up) and Phi-3 (fused)."""
-    b.put("tok_emb.weight", "embed_tokens.weight")
-    fused = "layers.0.self_attn.qkv_proj.weight" in b.w
-    gemma = config.post_norms
-    for i in range(config.n_layer):
-        p, q = f"layers.{i}.", f"blocks.{i}."
-        att = p + "self_attn."
-        if fused:
-            b.put_linear(q + "attn.qkv", [att + "qkv_proj"], config.qkv_bias, reorder_fused_qkv(config))
-            b.put(q + "mlp.fc.weight", p + "mlp.gate_up_proj.weight")
-        else:
-            b.put_linear(q + "attn.qkv", [att + f"{x}_proj" for x in "qkv"], config.qkv_bias)
-            b.put(q + "mlp.fc.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-        b.put(q + "attn.proj.weight", att + "o_proj.weight")
-        b.put(q + "mlp.proj.weight", p + "mlp.down_proj.weight")
-        if config.qk_norm:
-            b.put(q + "attn.q_norm.weight", att + "q_norm.weight")
-            b.put(q + "attn.k_norm.weight", att + "k_norm.weight")
-        b.put(q + "norm1.weight", p + "input_layernorm.weight")
-        if gemma:
-            b.put(q + "post_attn_norm.weight", p + "post_attention_layernorm.weight")
-            b.put(q + "norm2.weight", p + "pre_feedforward_layernorm.weight")
-            b.put(q + "post_mlp_norm.weight", p + "post_feedforward_layernorm.weight")
-        else:
-            b.put(q + "norm2.weight", p + "post_attention_layernorm.weight")
-    b.put("norm_f.weight", "norm.weight")
-
-
-def gpt2_state(b: StateBuilder, config: ModelConfig) -> None:
-    t = lambda w: w.t()  # GPT-2's Conv1D stores [in, out]; nn.Linear wants [out, in]
-    b.put("tok_emb.weight", "wte.weight")
-    b.put("pos_emb.weight", "wpe.weight")
-    for i in range(config.n_layer):
-        p, q = f"h.{i}.", f"blocks.{i}."
-        b.put_norm(q + "norm1", p + "ln_1", bias=True)
-        b.put_norm(q + "norm2", p + "ln_2", bias=True)
-        for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                             ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            b.put(q + ours + ".weight", p + theirs + ".weight", change=t)
-            b.put(q + ours + ".bias", p + theirs + ".bias")
-    b.put_norm("norm_f", "ln_f", bias=True)
-
-
-def gptj_state(b: StateBuilder, config: ModelConfig) -> None:
-    b.put("tok_emb.weight", "wte.weight")
-    qk = reorder_rotary(config, interleaved=True, heads=config.n_head)
-    for i in range(config.n_layer):
-        p, q = f"h.{i}.", f"blocks.{i}."
-        b.put_norm(q + "norm1", p + "ln_1", bias=True)
-        qkv = [b.w[p + f"attn.{x}_proj.weight"] for x in "qkv"]
-        b.state[q + "attn.qkv.weight"] = torch.cat((qk(qkv[0]), qk(qkv[1]), qkv[2]))
-        b.origin[q + "attn.qkv.weight"] = brace([p + f"attn.{x}_proj.weight" for x in "qkv"])
-        b.put(q + "attn.proj.weight", p + "attn.out_proj.weight")
-        b.put_linear(q + "mlp.fc", [p + "mlp.fc_in"], bias=True)
-        b.put_linear(q + "mlp.proj", [p + "mlp.fc_out"], bias=True)
-    b.put_norm("norm_f", "ln_f", bias=True)
-
-
-OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq legacy): row p + 2 is position p
-
-
-def opt_state(b: StateBuilder, config: ModelConfig) -> None:
-    b.put("tok_emb.weight", "embed_tokens.weight")
-    b.put("pos_emb.weight", "embed_positions.weight", change=lambda t: t[OPT_POSITION_OFFSET:])
-    if config.d_embed is not None:
-        b.put("proj_in.weight", "project_in.weight")
-        b.put("proj_out.weight", "project_out.weight")
-    for i in range(config.n_layer):
-        p, q = f"layers.{i}.", f"blocks.{i}."
-        b.put_linear(q + "attn.qkv", [p + f"self_attn.{x}_proj" for x in "qkv"], config.qkv_bias)
-        b.put_linear(q + "attn.proj", [p + "self_attn.out_proj"], config.bias)
-        b.put_norm(q + "norm1", p + "self_attn_layer_norm", bias=True)
-        b.put_norm(q + "norm2", p + "final_layer_norm", bias=True)
-        b.put_linear(q + "mlp.fc", [p + "fc1"], config.bias)
-        b.put_linear(q + "mlp.proj", [p + "fc2"], config.bias)
-    if config.final_norm:
-        b.put_norm("norm_f", "final_layer_norm", bias=True)
+# ------------------------------------------------------------------ the registry
 
 
 @dataclass(frozen=True)
@@ -410,4 +242,4 @@ def family_for(hf: dict) -> Family:
     return FAMILIES[kind]
 
 
-__all__ = ["FAMILIES", "Family", "UnsupportedModel", "family_for", "rotary_order"]
+__all__ = ["FAMILIES", "Family", "UnsupportedModel", "family_for"]

@@ -164,7 +164,7 @@ def gguf_value(meta: dict, key: str, path: Path):
 
 
 def gguf_to_hf_folder(path: Path, out: Path) -> None:
-    """Dequantize a GGUF (an architecture of `minillm.model.families.GGUF_FAMILIES`) into a float32 Hugging Face
+    """Dequantize a GGUF (an architecture of `GGUF_FAMILIES`) into a float32 Hugging Face
     checkpoint folder `out` (created)."""
     from gguf.quants import dequantize
 

@@ -21,6 +21,9 @@ call; `minillm.runtime.runner` is the caller every strategy shares); the cache o
 keys and values stored so far (`minillm.cache.kv_cache`); the attention kernel is a
 swappable backend (`minillm.model.attention`, SDPA by default).
 
+The norms and the rotary position tables it is built from live beside it
+(`minillm.model.norms`, `minillm.model.rope`).
+
 Everything here is plain PyTorch: `nn.Linear`, `nn.Embedding`, SDPA. Hardware
 fast paths are module swaps applied after loading (`minillm.speed.onednn`), each with an
 off switch and each checked equal to this plain model.
@@ -36,129 +39,8 @@ from torch import nn
 
 from .attention import AttentionStep, SDPABackend, causal_mask_lower_right
 from .config import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 like Llama (it matters in fp16/bf16)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: x / rms(x) * (1 + weight), scaled in float32 and only then cast.
-
-    The weight is stored as an offset from 1 (zero-initialised), and Gemma multiplies
-    before casting where Llama casts first: in bf16 the two round differently.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm whose statistics are taken in float32 whatever the weights' dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.float()
-        bias = self.bias.float() if self.bias is not None else None
-        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
-
-
-def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
-    """The config's norm over `dim` features (default d_model; QK-norm uses head_dim)."""
-    dim = dim or config.d_model
-    if config.norm == "rmsnorm":
-        return RMSNorm(dim, config.norm_eps)
-    if config.norm == "gemma_rmsnorm":
-        return GemmaRMSNorm(dim, config.norm_eps)
-    return LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
-
-
-def rope_inv_freq(rotary_dim: int, theta: float, factors=None) -> torch.Tensor:
-    """[rotary_dim / 2] rotation speeds, theta^(-2i/rotary_dim); long-RoPE divides each by its factor.
-
-    Written as transformers writes it, so that float32 gives the same bits.
-    """
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    if factors is None:
-        return 1.0 / (theta ** exponents)
-    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
-
-
-class RopeTable:
-    """cos and sin for positions 0..n-1, computed once per dtype and device.
-
-    Decoding one token would otherwise recompute ~10 small tensors per step; a
-    lookup is one gather. `sin` has the rotate-half sign folded in (its first half
-    negated), so rotating needs no negation: x * cos + swap_halves(x) * sin.
-
-    The table starts at `context_length` positions and grows on demand (doubling) when a
-    larger position is asked for: RoPE itself has no last position, and keeping a
-    cache while sliding past the context (lesson 06) numbers tokens beyond
-    context_length. Each position's angles are computed independently, so growing
-    changes no entry that was already there.
-
-    Partial RoPE (`rotary_dim` < head_dim) rotates pairs (i, i + head_dim/2) for
-    i < rotary_dim/2 and gives the other dims angle 0 (cos 1, sin 0: x passes
-    unchanged, exactly). The loader reorders each head's q/k rows so the rotating
-    dims sit there (`minillm.model.families.rotary_order`); a dot product does not care
-    how the dims of q and k are ordered, as long as both are ordered alike.
-
-    Long-RoPE (Phi-3) divides each speed by a factor, one set for contexts up to
-    the pretraining length and one beyond, and scales cos and sin. Like transformers,
-    each forward picks the set by its largest position.
-    """
-
-    def __init__(self, config: ModelConfig, theta: float | None = None):
-        self.context_length, self.head_dim = config.context_length, config.head_size
-        self.theta = config.rope_theta if theta is None else theta
-        self.rotary_dim = config.rotary_dim or config.head_size
-        self.original_max = config.rope_original_max if config.rope_long_factor is not None else None
-        self.factors = {False: config.rope_short_factor, True: config.rope_long_factor}
-        self.scale = config.rope_attention_factor
-        self.tables: dict = {}
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        long = self.original_max is not None and needed > self.original_max
-        key = (dtype, positions.device, "long") if long else (dtype, positions.device)
-        table = self.tables.get(key)
-        size = len(table[0]) if table is not None else 0
-        if table is None or needed > size:
-            self.tables[key] = self.build(max(self.context_length, needed, 2 * size), dtype, positions.device, long)
-        cos, sin = self.tables[key]
-        return cos[positions][:, :, None], sin[positions][:, :, None]
-
-    def build(self, size: int, dtype: torch.dtype, device, long: bool):
-        """cos, signed sin [size, head_dim]; angles in float32 (bf16 positions lose whole tokens), cast at the end."""
-        inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.factors[long]).to(device)
-        angles = torch.arange(size, device=device).float()[:, None] * inv_freq  # [size, rotary_dim/2]
-        cos, sin = angles.cos() * self.scale, angles.sin() * self.scale
-        still = (self.head_dim - self.rotary_dim) // 2  # dims per half that do not rotate
-        cos, sin = F.pad(cos, (0, still), value=1.0), F.pad(sin, (0, still))  # [size, head_dim/2]
-        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + head_dim/2) pair of x [..., head_dim] by its position's angle.
-
-    Same numbers as transformers' x * cos + rotate_half(x) * sin: negating is exact,
-    so folding the sign of rotate_half into `signed_sin` changes no bit.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * signed_sin
+from .norms import make_norm
+from .rope import RopeTable, apply_rope
 
 
 class SlidingWindow:

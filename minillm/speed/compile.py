@@ -49,7 +49,7 @@ from torch import nn
 
 from ..cache.kv_cache import StaticCache
 from ..model.attention import set_attention_backend
-from ..model.transformer import RopeTable
+from ..model.rope import RopeTable
 from .attention_kernels import make_backend
 from .onednn import use_plain_linear
 
