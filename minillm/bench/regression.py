@@ -34,8 +34,12 @@ MEASURE = """
 import json, sys, time
 import torch
 from minillm import load_model
-from minillm.strategies.generate import generate
-from minillm.bench.batch import TEXT, batch_prompts
+try:
+    from minillm.strategies.generate import generate
+    from minillm.bench.batch import TEXT, batch_prompts
+except ImportError:  # a commit from before the package was laid out in subpackages
+    from minillm.infer import generate
+    from minillm.benchmarks.batch import TEXT, batch_prompts
 
 new_tokens, batch_new, timed = {new_tokens}, {batch_new}, {timed}
 model, tok = load_model({model!r})
