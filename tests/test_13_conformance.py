@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from minillm.model.tiny import tiny_pair
-from minillm.serving.server import BackgroundServer
+from minillm.serving.launch import BackgroundServer
 
 QUESTION = [{"role": "user", "content": "Name three colours and say why you like them."}]
 

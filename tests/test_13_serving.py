@@ -20,6 +20,7 @@ from openai import OpenAI
 
 from minillm.decoding.sampling import SamplingConfig
 from minillm.model.tiny import tiny_pair
+from minillm.serving.launch import BackgroundServer
 from minillm.serving.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -28,7 +29,6 @@ from minillm.serving.openai_api import (
     max_new_tokens,
     sampling_config,
 )
-from minillm.serving.server import BackgroundServer
 from minillm.strategies.generate import generate
 
 CONTEXT = 256
@@ -353,7 +353,8 @@ def test_the_four_prompt_forms(default_model):
 # ---------------------------------------------------------------------------------------------- command lines
 
 def test_serve_command_line_errors_are_one_line(capsys):
-    from minillm.serving.server import bind, main
+    from minillm.serve import main
+    from minillm.serving.launch import bind
 
     assert main(["--port", "70000"]) == 2
     taken = bind("127.0.0.1", 0)

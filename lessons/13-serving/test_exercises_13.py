@@ -26,7 +26,7 @@ def test_exercise_1_events_round_trip(answers):
 
 def test_exercise_1_a_real_stream_decodes_to_the_whole_answer(answers):
     from minillm.model.tiny import tiny_pair
-    from minillm.serving.server import BackgroundServer
+    from minillm.serving.launch import BackgroundServer
     from minillm.speed.load import load_model
 
     answers.sse_decode(["data: [DONE]"])  # skips here, before loading anything, until you answer

@@ -15,6 +15,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"minillm: error: {message} (see --help)\n")
 
 
+def add_model_flags(parser, *, model_help: str, dtype_help: str, device: bool = True) -> None:
+    """--model, --device and --dtype: every command that loads a model takes them, with the same defaults
+    (the default model, the CPU, float32); each command says in its own words what they mean for it."""
+    parser.add_argument("--model", default="default", metavar="NAME_OR_PATH", help=model_help)
+    if device:
+        parser.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda' (or 'cuda:N')")
+    parser.add_argument("--dtype", default="float32", help=dtype_help)
+
+
 def negative_values_attached(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`--temperature -inf` -> `--temperature=-inf`: argparse would read a value that starts
     with '-' (and is not a plain number) as a flag and report "expected one argument"."""

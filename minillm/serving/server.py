@@ -1,4 +1,7 @@
-"""`python -m minillm.serve`: the continuous-batching engine behind OpenAI's HTTP API.
+"""The OpenAI-compatible HTTP app over the continuous-batching engine: routes, request checks, streaming.
+
+`minillm.serving.launch` builds the engine and this app and starts them (`python -m minillm.serve`
+from the command line, `BackgroundServer` in notebooks and tests):
 
     python -m minillm.serve --model default --port 8000
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -27,11 +30,8 @@ authentication, so exposing it is a decision to make on purpose.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import socket
-import sys
 import time
 
 from fastapi import FastAPI, Request
@@ -39,9 +39,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..base.commands import OneLineParser, run_command
 from ..decoding.outputs import GenerationEvent
-from ..runtime.engine import Engine, kv_bytes_per_token
+from ..runtime.engine import Engine
 from .async_engine import AsyncEngine, EngineFailed, QueueFull, Submitted
 from .openai_api import (
     APIError,
@@ -329,197 +328,3 @@ def validation_error(error: RequestValidationError) -> APIError:
 
 def api_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), error.status, headers=error.headers)
-
-
-def build_server(model, tokenizer, *, model_name: str, max_model_len: int | None = None, max_waiting: int = 64,
-                 request_timeout: float = 600.0, max_body_bytes: int = 2**20,
-                 **engine_options) -> tuple[AsyncEngine, FastAPI, int]:
-    """The engine, its thread (not started yet) and the app serving it; returns them and the context limit.
-
-    engine_options go to `Engine` (max_num_seqs, kv_cache_mb, ...). Refuses, in one line, a
-    model the engine cannot serve.
-    """
-    if tokenizer is None:
-        raise ValueError(f"model {model_name!r} ships no tokenizer (tokenizer.json): a server needs one")
-    if model.config.sliding_window is not None:
-        raise ValueError(f"model {model_name!r} has sliding-window attention layers, which the paged engine does "
-                         f"not support yet: serve a Llama-, Qwen2- or GPT-2-style model")
-    engine = Engine(model, tokenizer, **engine_options)
-    limit = context_limit(model, engine, max_model_len)
-    runner = AsyncEngine(engine, max_waiting)
-    app = create_app(runner, tokenizer, model_name=model_name, max_model_len=limit,
-                     request_timeout=request_timeout, max_body_bytes=max_body_bytes)
-    return runner, app, limit
-
-
-class BackgroundServer:
-    """A server on a thread of this process, on a free port: what notebooks and tests start.
-
-        with BackgroundServer(model, tokenizer) as server:
-            client = OpenAI(base_url=server.base_url, api_key="unused")
-            ...
-        # on exit: the HTTP server and the engine thread have stopped
-
-    server_options go to `build_server` (max_model_len, max_waiting, request_timeout, ...,
-    and the `Engine`'s own: max_num_seqs, kv_cache_mb, ...).
-    """
-
-    def __init__(self, model, tokenizer, *, model_name: str = "default", host: str = "127.0.0.1", port: int = 0,
-                 **server_options):
-        self.runner, self.app, self.max_model_len = build_server(model, tokenizer, model_name=model_name,
-                                                                 **server_options)
-        self.engine = self.runner.engine
-        self.host, self.port = host, port
-
-    def __enter__(self) -> "BackgroundServer":
-        import threading
-
-        import uvicorn
-
-        sock = bind(self.host, self.port)
-        self.url = "http://{}:{}".format(*sock.getsockname()[:2])
-        self.base_url = self.url + "/v1"
-        self.runner.start()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError(f"the server on {self.url} stopped while starting")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join()
-        self.runner.stop()
-
-
-# ---------------------------------------------------------------------------------------------- the command line
-
-EPILOG = """examples:
-  python -m minillm.serve                                  # the default model on http://127.0.0.1:8000/v1
-  python -m minillm.serve --port 8001 --max-num-seqs 32 --kv-cache-mb 512
-  python -m minillm.serve --model ./my-llama-folder --served-model-name my-llama
-
-then, from any OpenAI client:
-  from openai import OpenAI
-  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
-  client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}])
-"""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m minillm.serve", epilog=EPILOG,
-                      description="Serve a minillm model over OpenAI's HTTP API (completions, chat, streaming).",
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", metavar="NAME_OR_PATH",
-                   help="the model to serve: 'default' (SmolLM2-135M-Instruct), another name `python -m minillm.infer` "
-                        "accepts, or a local folder or GGUF file")
-    p.add_argument("--served-model-name", metavar="NAME",
-                   help="the name clients put in the request's 'model' field (default: the --model value)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 exposes the server, which has "
-                        "no authentication, to the network)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda' (or 'cuda:N')")
-    p.add_argument("--dtype", default="float32", help="weights and activations: float32 (default), bfloat16, float16")
-    e = p.add_argument_group("engine (lesson 12)")
-    e.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
-                   help="most requests decoding together in one batch (default 16)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
-                   help="token budget of one forward; longer prompts are prefilled in chunks (default 512)")
-    e.add_argument("--kv-cache-mb", type=float, default=256, metavar="MB",
-                   help="size of the paged KV cache pool in megabytes (default 256)")
-    e.add_argument("--block-size", type=int, default=16, metavar="N", help="token slots per KV block (default 16)")
-    e.add_argument("--no-prefix-caching", action="store_true",
-                   help="do not reuse the keys of prompt prefixes that earlier requests computed")
-    e.add_argument("--max-model-len", type=int, metavar="N",
-                   help="longest prompt + answer in tokens (default: the model's context, or what the KV pool holds "
-                        "if less)")
-    r = p.add_argument_group("limits")
-    r.add_argument("--max-waiting", type=int, default=64, metavar="N",
-                   help="requests that may queue for a place in the batch; beyond that the answer is 503 with "
-                        "Retry-After (default 64)")
-    r.add_argument("--request-timeout", type=float, default=600, metavar="SECONDS",
-                   help="a request running longer ends with finish_reason 'length' (default 600)")
-    r.add_argument("--max-body-mb", type=float, default=1, metavar="MB",
-                   help="larger request bodies are refused with 413 (default 1)")
-    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
-                   help="uvicorn's logging; 'info' logs every request (default warning)")
-    return p
-
-
-def check_args(args) -> None:
-    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-        value = getattr(args, name)
-        if value < (0 if name == "port" else 1) or (name == "port" and value > 65535):
-            raise ValueError(f"--{name.replace('_', '-')} {value} is invalid: must be "
-                             f"{'in 0..65535' if name == 'port' else '>= 1'}")
-    for name in ("kv_cache_mb", "request_timeout", "max_body_mb"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: must be > 0")
-    if args.max_waiting < 0:
-        raise ValueError(f"--max-waiting {args.max_waiting} is invalid: must be >= 0")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise ValueError(f"--max-model-len {args.max_model_len} is invalid: must be >= 2")
-
-
-def context_limit(model, engine: Engine, requested: int | None) -> int:
-    """--max-model-len checked against the model's context and the pool (one request at its longest must fit)."""
-    context, pool = model.config.context_length, engine.manager.capacity
-    if requested is None:
-        return min(context, pool)
-    if requested > context:
-        raise ValueError(f"--max-model-len {requested} is over the model's context of {context} tokens: lower it")
-    if requested > pool:
-        needed = requested * kv_bytes_per_token(model) / 2**20
-        raise ValueError(f"--max-model-len {requested} does not fit the KV pool ({pool} tokens): raise --kv-cache-mb "
-                         f"to at least {needed:.0f} or lower --max-model-len")
-    return requested
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads, so a taken port fails in a second, in one line."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)  # listening holds the port: another server cannot bind it meanwhile
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): is another server running there? "
-                         f"Pick another --port") from None
-    return sock
-
-
-def run(args) -> int:
-    import uvicorn
-
-    from ..speed.load import load_model
-
-    check_args(args)
-    sock = bind(args.host, args.port)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    name = args.served_model_name or args.model
-    runner, app, max_model_len = build_server(
-        model, tokenizer, model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-        request_timeout=args.request_timeout, max_body_bytes=int(args.max_body_mb * 2**20),
-        block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching)
-    runner.start()
-    host, port = sock.getsockname()[:2]
-    print(f"minillm: serving {name!r} on http://{host}:{port}/v1 (max {max_model_len} tokens per request, "
-          f"{args.max_num_seqs} at once; Ctrl-C stops)", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=1))
-    try:
-        server.run(sockets=[sock])
-    finally:
-        runner.stop()
-    return 0
-
-
-def main(argv=None) -> int:
-    return run_command(build_parser(), run, argv)
-
