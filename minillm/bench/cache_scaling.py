@@ -7,8 +7,9 @@ lengths the weights dominate, so the per-token cost stays nearly flat and the
 total grows linearly. The dynamic cache pays a little more as it copies the
 whole cache on every step.
 
-For each length L the suite times, alternating, the step that produces token L+1:
-    static / dynamic cache   a one-token forward after L tokens were prefilled
+For each length L the suite times, alternating, the step that produces token L+1, as
+`generate` runs it (the model runner's decode step over each cache kind):
+    static / dynamic cache   a one-token forward after L - 1 tokens were prefilled
     no cache                 a forward over all L tokens (last position's logits only)
 
     python -m minillm.bench cache-scaling            # L = 64 .. 1024
@@ -22,41 +23,39 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..cache.kv_cache import make_cache
-from ..model.transformer import causal_positions
+from ..decoding.sampling import SamplingConfig
+from ..runtime.runner import ModelRunner
+from ..runtime.sequence import Sequence
 from .batch import TEXT
 from .common import alternate, finish_figure, median, plot_title, spread_band, synchronize
 
+CONTENDERS = {"static": "static cache", "dynamic": "dynamic cache", "none": "no cache"}
+
 
 def step_contenders(model, ids: list[int], device) -> dict:
-    """No-argument functions, each producing the logits after `ids` by one route; they return seconds."""
-    L = len(ids)
-    tokens = torch.tensor([ids], device=device)
-    positions = causal_positions(1, L, device)
-    caches = {}
-    for kind in ("static", "dynamic"):
-        caches[kind] = make_cache(kind, model, 1, L + 1)
-        model(tokens[:, :-1], positions[:, :-1], cache=caches[kind], last_only=True)  # prefill L-1 tokens
+    """No-argument functions, each producing the logits after `ids` through the model runner (what `generate`
+    runs) over one cache kind; they return seconds."""
+    contenders = {}
+    for kind in ("static", "dynamic", "none"):
+        runner = ModelRunner(model, cache=kind, max_len=len(ids))
+        seq = Sequence.create(ids[:-1], SamplingConfig(max_new_tokens=2), vocab_size=model.config.vocab_size,
+                              device=device)
+        runner.prefill([seq])  # L - 1 tokens held (no cache: nothing held, each step recomputes)
+        seq.append(ids[-1])
+        contenders[CONTENDERS[kind]] = next_token_step(runner, seq, device)
+    return contenders
 
-    def cached(kind):
-        def step():
-            cache = caches[kind]
-            cache.crop(L - 1)  # forget the previous timing's token: every call does the same work
-            synchronize(device)
-            t = time.perf_counter()
-            model(tokens[:, -1:], positions[:, -1:], cache=cache)
-            synchronize(device)
-            return time.perf_counter() - t
-        return step
 
-    def uncached():
+def next_token_step(runner: ModelRunner, seq: Sequence, device):
+    def step():
         synchronize(device)
         t = time.perf_counter()
-        model(tokens, positions, last_only=True)
+        runner.decode([seq])  # the L-th token after the L - 1 held: the step that produces token L + 1
         synchronize(device)
-        return time.perf_counter() - t
-
-    return {"static cache": cached("static"), "dynamic cache": cached("dynamic"), "no cache": uncached}
+        elapsed = time.perf_counter() - t
+        runner.rollback([seq])  # forget it again: every call does the same work
+        return elapsed
+    return step
 
 
 def run(args) -> dict:

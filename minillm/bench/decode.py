@@ -26,7 +26,9 @@ import time
 
 import torch
 
-from ..model.transformer import causal_positions
+from ..decoding.sampling import SamplingConfig
+from ..runtime.runner import ModelRunner
+from ..runtime.sequence import Sequence
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import (
@@ -79,12 +81,14 @@ def _transformers(hf_model, prompt, new_tokens, device, record, **generate_kwarg
 
 
 def _prefill(model, hf_model, prompt, device, repeats) -> dict:
-    """Seconds to run a prompt through each model once, producing only the last position's logits."""
+    """Seconds to run a prompt through each model once, producing only the last position's logits (minillm: the
+    model runner's prefill, what `generate` runs first)."""
     tokens = torch.tensor([prompt], device=device)
-    positions = causal_positions(1, len(prompt), device)
+    runner = ModelRunner(model, max_len=len(prompt) + 1)
+    seq = Sequence.create(prompt, SamplingConfig(max_new_tokens=1), vocab_size=model.config.vocab_size, device=device)
 
     def minillm():
-        model(tokens, positions, last_only=True)
+        runner.prefill([seq])
         synchronize(device)
 
     def transformers():

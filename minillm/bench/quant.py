@@ -28,7 +28,6 @@ import copy
 import torch
 
 from ..model.loading import resolve_checkpoint_folder
-from ..model.transformer import causal_positions
 from ..speed.load import load_model
 from ..speed.mx import MX_FORMATS, SHARED_MICROEXPONENT, apply_mx_to_weights, bits_per_weight
 from ..speed.quality import compare_models, held_out_tokens
@@ -158,9 +157,9 @@ def run(args) -> dict:
             speed[batch][name] = {"tokens_per_second": tok_s, "seconds_per_repeat": seconds}
             print(f"batch {batch} {name:24s} {tok_s:7.1f} tok/s", flush=True)
 
-    prompt = torch.tensor([ids[:prefill_tokens]])
-    positions = causal_positions(1, prefill_tokens)
-    prefill_contenders = {name: (lambda m=m: m(prompt, positions, last_only=True)) for name, m in variants.items()}
+    prompt = ids[:prefill_tokens]  # time to the first token, as generate runs it (the runner's prefill)
+    prefill_contenders = {name: (lambda m=m: generate(m, [prompt], max_new_tokens=1).stats.prefill_seconds)
+                          for name, m in variants.items()}
     with torch.inference_mode():
         prefill = {name: median(t) for name, t in
                    alternate(prefill_contenders, repeats=repeats, warmup=1, desc="prefill").items()}

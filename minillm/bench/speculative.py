@@ -26,7 +26,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..cache.kv_cache import make_cache
+from ..decoding.sampling import SamplingConfig
+from ..runtime.runner import ModelRunner
+from ..runtime.sequence import Sequence
 from ..strategies.acceptance import predicted_speedup
 from ..strategies.drafters import DraftModel, PromptLookup, load_draft
 from ..strategies.generate import generate
@@ -50,17 +52,21 @@ DRAFTS = ("dtype:bfloat16", "layers:24")  # the target's own weights: in BF16, o
 
 @torch.inference_mode()
 def forward_seconds(model, n_tokens: int, context: int, repeats: int = 5) -> float:
-    """Median time of one cached forward over `n_tokens` new tokens after `context` cached ones."""
-    cache = make_cache("static", model, 1, context + n_tokens)
-    model(torch.randint(0, model.config.vocab_size, (1, context)), torch.arange(context)[None], cache=cache)
-    tokens = torch.randint(0, model.config.vocab_size, (1, n_tokens))
-    positions = torch.arange(context, context + n_tokens)[None]
+    """Median time of one cached forward over `n_tokens` new tokens after `context` cached ones, through the model
+    runner's verify step (what speculative decoding runs)."""
+    vocab = model.config.vocab_size
+    runner = ModelRunner(model, max_len=context + n_tokens)
+    seq = Sequence.create(torch.randint(0, vocab, (context,)).tolist(), SamplingConfig(max_new_tokens=n_tokens + 1),
+                          vocab_size=vocab)
+    runner.prefill([seq])
+    seq.append(int(torch.randint(0, vocab, ())))  # the token each round feeds first, then the draft after it
+    draft = torch.randint(0, vocab, (n_tokens - 1,)).tolist()
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        model(tokens, positions, cache=cache)
+        runner.verify([seq], [draft])  # [1, n_tokens, V]
         times.append(time.perf_counter() - start)
-        cache.crop(context)
+        runner.rollback([seq])  # the cache holds the context again
     return median(times[1:])
 
 

@@ -196,9 +196,8 @@ class DecodeSession:
             among_new = pick(per_row(tree.mask.to(self.device), B, 2), offset, offset)  # [B, L, L]
             causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
             mask = torch.where(is_new[:, :, None] & is_new[:, None, :], among_new, causal)
-        logits = self.model(tokens, positions, mask=mask)  # [B, L, V]
-        columns = starts[:, None] + torch.arange(T, device=self.device)  # [B, T]
-        return logits[torch.arange(B, device=self.device)[:, None], columns]
+        columns = starts[:, None] + torch.arange(T, device=self.device)  # [B, T]: the newest T tokens' places
+        return self.model(tokens, positions, mask=mask, logits_at=columns)  # [B, T, V]: the LM head on those alone
 
 
 def right_padded(rows: list[list[int]], device=None, pad_id: int = 0) -> torch.Tensor:
