@@ -247,9 +247,6 @@ def write_rows(store: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tensor
     store[rows, :, columns] = new.transpose(1, 2)  # indexed view is [B, T, KV, hd]
 
 
-CACHE_KINDS = ("static", "dynamic", "none")
-
-
 def make_cache(kind: str, model, batch: int, max_len: int, fixed_shape: bool = False) -> KVCache | None:
     """'static', 'dynamic' or 'none' (None: the model recomputes everything each step).
 
@@ -266,4 +263,4 @@ def make_cache(kind: str, model, batch: int, max_len: int, fixed_shape: bool = F
     raise ValueError(f"unknown cache kind {kind!r}: use 'static', 'dynamic' or 'none'")
 
 
-__all__ = ["KVCache", "DynamicCache", "StaticCache", "make_cache", "write_rows", "CACHE_KINDS"]
+__all__ = ["KVCache", "DynamicCache", "StaticCache", "make_cache", "write_rows"]
