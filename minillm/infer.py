@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .base import jsonio
 from .base.commands import OneLineParser, add_model_flags, run_command
+from .decoding.outputs import encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
 from .strategies.streaming import PrintStreamer
 
@@ -26,7 +27,9 @@ EPILOG = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m minillm.infer", description="Generate text with a minillm model.",
+    p = OneLineParser(prog="python -m minillm.infer", description="Generate text with a minillm model. It runs "
+                      "eager PyTorch (oneDNN matmuls on the CPU) unless --compile asks for compiled graphs or "
+                      "--plain for the from-scratch model alone; --stats prints which path ran.",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="the prompt; repeat the flag for several prompts (generated in batches)")
@@ -43,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "fp32/bf16/fp16)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="generate at most N new tokens per prompt (default 128)")
+    p.add_argument("--slide", action="store_true",
+                   help="let the context window slide when a prompt plus --max-new-tokens outgrows the model's "
+                        "context (the model then sees only its most recent tokens, lesson 02); without it such a "
+                        "request is refused before anything runs")
     p.add_argument("--cache", default="static", choices=("static", "dynamic", "none"),
                    help="KV cache: 'static' (preallocated, default), 'dynamic' (grows), 'none' (recompute each step)")
     p.add_argument("--plain", action="store_true",
@@ -204,6 +211,18 @@ def check_flag_combinations(args) -> None:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 
 
+def check_fits_context(rows: list[list[int]], max_new_tokens: int, context: int) -> None:
+    """A request that would slide past the model's context without --slide is refused, as the server refuses it:
+    an unreachable --max-new-tokens would otherwise run on for as long as it is allowed, printing nothing."""
+    longest = max(range(len(rows)), key=lambda i: len(rows[i]))
+    if len(rows[longest]) + max_new_tokens > context:
+        room = context - len(rows[longest])
+        fix = f"lower --max-new-tokens to at most {room}" if room > 0 else "shorten the prompt"
+        raise ValueError(f"prompt {longest} ({len(rows[longest])} tokens) plus --max-new-tokens {max_new_tokens} "
+                         f"outgrows the model's context of {context} tokens: {fix}, or pass --slide to let the "
+                         f"window slide")
+
+
 def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -> str:
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if chat and not has_template:
@@ -284,6 +303,8 @@ def run(args) -> int:
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
     texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in prompts]
+    if beam is None and not args.speculative and not args.slide:
+        check_fits_context(encode_prompts(texts, tokenizer), config.max_new_tokens, model.config.context_length)
     stream = not args.json and len(texts) == 1 and beam is None
     if beam is not None:  # every prompt in one search; beams do not stream (they change until the end)
         from .strategies.beam import beam_search
@@ -318,6 +339,9 @@ def run(args) -> int:
             print(f"### {prompt}{label}\n{row.text}\n")
     if args.stats:
         s = out.stats
+        print(f"[path: {'compiled graphs' if args.compile else 'eager'}, {args.cache} cache, {args.attention} "
+              f"attention, {'plain model' if args.plain else 'fast paths'}, quantization {args.quant}, "
+              f"{args.dtype} on {args.device}]", file=sys.stderr)
         rate = s.decode_tokens_per_second
         print(f"[{s.prompt_tokens} prompt tokens, time to first token {s.time_to_first_token:.3f} s, "
               f"{s.decode_tokens} decode tokens at {'-' if rate is None else f'{rate:.1f}'} tok/s, "

@@ -118,6 +118,19 @@ def test_nan_logits_are_refused_not_sampled():
             generate(model, [[1, 2, 3]], config, max_new_tokens=3)
 
 
+def test_an_unreachable_max_new_tokens_is_refused_unless_sliding_is_asked(capsys):
+    """Without --slide, a prompt plus --max-new-tokens longer than the context is one line naming the most that fits
+    (it used to run on, sliding, for as long as it was allowed); with --slide it runs."""
+    from minillm.speed.load import load_model
+
+    _, tokenizer = load_model("default")
+    prompt_tokens = len(tokenizer.encode("Hi"))
+    line = one_error_line(capsys, ["--prompt", "Hi", "--no-chat", "--json", "--max-new-tokens", "100000000"])
+    assert (f"prompt 0 ({prompt_tokens} tokens) plus --max-new-tokens 100000000 outgrows the model's context of 8192 "
+            f"tokens: lower --max-new-tokens to at most {8192 - prompt_tokens}, or pass --slide") in line
+    assert main(["--prompt", "Hi", "--no-chat", "--json", "--max-new-tokens", "2", "--slide"]) == 0
+
+
 @pytest.mark.parametrize("flags", [["--max-new-tokens", "0"],
                                    ["--max-new-tokens", "1", "--speculative", "prompt-lookup"]])
 def test_every_json_output_is_strict_json(capsys, flags):
