@@ -301,6 +301,40 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(t
         assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 5
 
 
+def test_metrics_count_what_the_requests_did_in_prometheus_format(tiny_model):
+    """/metrics parses with Prometheus' own parser, and its counts equal what the responses reported: tokens in and
+    out (usage), requests by finish reason, one latency sample per request; the gauges read an idle engine."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model, tokenizer = tiny_model
+    with BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=64, block_size=8) as server:
+        client = client_for(server)
+        usages = [client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0).usage
+                  for prompt, n in (("Once upon a time", 5), ("The capital of France is", 3))]
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=4, stream=True,
+                                                     stream_options={"include_usage": True}))
+        usages.append(chunks[-1].usage)
+        wait_until_idle(server)
+        response = httpx.get(server.url + "/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+
+    assert value("minillm_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert value("minillm_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 5 + 3 + 4
+    assert value("minillm_requests_finished_total", finish_reason="length") == 3
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert value(f"minillm_{name}_count") == 3 and value(f"minillm_{name}_sum") > 0
+    assert value("minillm_requests_waiting") == value("minillm_requests_running") == value("minillm_kv_blocks_used") == 0
+    assert value("minillm_kv_blocks_total") == 64
+
+
 def test_release_forgets_only_finished_requests(tiny_model):
     from minillm.runtime.engine import Engine
 

@@ -56,10 +56,12 @@ class AsyncEngine:
     pile up unbounded work and memory.
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 64):
+    def __init__(self, engine: Engine, max_waiting: int = 64, on_finish=None):
+        """on_finish(sequence): called on the engine thread for each request that ends (finished or aborted),
+        before the engine forgets it (the server's metrics read its timings there)."""
         if max_waiting < 0:
             raise ValueError(f"max_waiting={max_waiting} is invalid: must be >= 0")
-        self.engine, self.max_waiting = engine, max_waiting
+        self.engine, self.max_waiting, self.on_finish = engine, max_waiting, on_finish
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # request id -> its queue
@@ -136,7 +138,7 @@ class AsyncEngine:
             if not request.finished:
                 self.engine.abort(request_id)
                 self.aborted += 1
-            self.engine.release(request_id)
+            self._release(request_id)
             self._routes.pop(request_id, None)
 
     def _run(self) -> None:
@@ -177,9 +179,14 @@ class AsyncEngine:
         if route is None:  # aborted in this step's commands
             return
         if event.finish_reason is not None:
-            self.engine.release(event.row)
+            self._release(event.row)
             del self._routes[event.row]
         hand_over(route, event)
+
+    def _release(self, request_id) -> None:
+        if self.on_finish is not None:
+            self.on_finish(self.engine.requests[request_id])
+        self.engine.release(request_id)
 
     def _fail_all(self, error: EngineFailed) -> None:
         for route in self._routes.values():

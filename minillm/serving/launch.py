@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from ..runtime.engine import Engine, kv_bytes_per_token
 from .async_engine import AsyncEngine
+from .metrics import ServerMetrics
 from .server import create_app
 
 
@@ -32,8 +33,9 @@ def build_server(model, tokenizer, *, model_name: str, max_model_len: int | None
                          f"not support yet: serve a Llama-, Qwen2- or GPT-2-style model")
     engine = Engine(model, tokenizer, **engine_options)
     limit = context_limit(model, engine, max_model_len)
-    runner = AsyncEngine(engine, max_waiting)
-    app = create_app(runner, tokenizer, model_name=model_name, max_model_len=limit,
+    metrics = ServerMetrics(model_name)
+    runner = AsyncEngine(engine, max_waiting, on_finish=metrics.request_finished)
+    app = create_app(runner, tokenizer, model_name=model_name, max_model_len=limit, metrics=metrics,
                      request_timeout=request_timeout, max_body_bytes=max_body_bytes)
     return runner, app, limit
 

@@ -14,6 +14,7 @@ Any OpenAI client works unchanged (`OpenAI(base_url="http://127.0.0.1:8000/v1", 
     GET  /v1/models             the one model served
     GET  /health                200 while the server answers
     GET  /stats                 the engine's counters: requests, blocks, forwards (not OpenAI's)
+    GET  /metrics               Prometheus metrics: queue, batch, KV blocks, tokens, latencies
 
 Streaming is server-sent events: `data: {json}` chunks as tokens become final text, a
 usage chunk when `stream_options.include_usage` asks for it, then `data: [DONE]`.
@@ -36,12 +37,14 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ..decoding.outputs import GenerationEvent
 from ..runtime.engine import Engine
 from .async_engine import AsyncEngine, EngineFailed, QueueFull, Submitted
+from .metrics import ServerMetrics
 from .openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -60,7 +63,7 @@ from .openai_api import (
     usage,
 )
 
-ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /stats"
+ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /stats, /metrics"
 
 
 class BodyLimit:
@@ -235,9 +238,10 @@ async def sse(chunks, on_close):
     yield "data: [DONE]\n\n"
 
 
-def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int,
+def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, metrics: ServerMetrics,
                request_timeout: float = 600.0, max_body_bytes: int = 2**20) -> FastAPI:
-    """The FastAPI app serving `engine` (already started) under OpenAI's routes."""
+    """The FastAPI app serving `engine` (already started) under OpenAI's routes; `metrics` is fed by the engine's
+    thread (`AsyncEngine(on_finish=metrics.request_finished)`) and read at /metrics."""
     server = OpenAIServer(engine, model_name, max_model_len, request_timeout)
     app = FastAPI(title="minillm", summary="An OpenAI-compatible server over minillm's continuous-batching engine",
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -292,6 +296,10 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
     @app.get("/stats")
     async def stats():
         return {**await engine.call(engine_stats), "requests_aborted": engine.aborted}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(await engine.call(engine_stats)), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
