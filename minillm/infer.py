@@ -207,6 +207,9 @@ def check_flag_combinations(args) -> None:
     if args.compile and (args.speculative or args.num_beams > 1 or args.cache != "static"):
         raise ValueError("--compile applies to plain generation over the static cache: drop --speculative, "
                          "--num-beams or --cache")
+    if args.quant != "none" and args.device != "cpu":
+        raise ValueError(f"--quant {args.quant} runs CPU kernels (lesson 14), not on {args.device}: drop --device, "
+                         f"or --quant")
     if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 

@@ -58,6 +58,7 @@ def test_negative_numbers_reach_the_validation(capsys, value):
     (["--speculative", "lookahead", "--decoding-length", "0"], "--decoding-length 0 is invalid"),
     (["--speculative", "lookahead", "--branch-length", "-1"], "--branch-length -1 is invalid"),
     (["--speculative", "lookahead", "--num-draft-tokens", "4"], "lookahead's budget is --decoding-length"),
+    (["--quant", "gguf", "--device", "cuda"], "--quant gguf runs CPU kernels (lesson 14), not on cuda"),
 ])
 def test_flags_that_need_another_flag_are_refused_not_ignored(capsys, flags, named):
     assert named in one_error_line(capsys, ["--prompt", "hi", *flags])
