@@ -382,7 +382,7 @@ def test_quant_results_plot_and_report(tmp_path):
     from minillm.base.jsonio import read_json
     from minillm.bench.common import RESULTS
     from minillm.bench.quant import plot
-    from minillm.bench.report import quant_section
+    from minillm.bench.sections_systems import quant_section
 
     if not (RESULTS / "quant.json").exists():
         pytest.skip("results/quant.json not measured yet: python -m minillm.bench quant")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.bench import attention as bench
-from minillm.bench import report
+from minillm.bench.sections_systems import attention_section
 from minillm.cache.paged import PagedKVCache, paged_attention
 from minillm.infer import build_parser
 from minillm.model.attention import AttentionStep, SDPABackend, set_attention_backend
@@ -355,7 +355,7 @@ def synthetic_result() -> dict:
 
 def test_report_and_plot_from_a_synthetic_result(tmp_path):
     data = synthetic_result()
-    text = report.attention_section("Attention kernels", data, {"png": "a.png", "json": "a.json"})
+    text = attention_section("Attention kernels", data, {"png": "a.png", "json": "a.json"})
     assert "| naive ms | 25.6 | 51.2 |" in text and "| naive peak MiB | 6.6 | 26.2 |" in text
     assert "naive attention's peak memory grows 4x" in text and "64 was fastest (2.2 ms)" in text
     assert "naive takes 2.00x flash's time and 4.00x SDPA's" in text

@@ -1,0 +1,259 @@
+"""The README sections of the decoding suites (lessons 02-11): decode, cache-scaling, batch, speculative, lookahead.
+
+Each `*_section(title, data, links)` turns one suite's JSON into Markdown: a heading with
+links to the JSON and the plot, the provenance line, a table, and sentences whose every
+figure is read from the data (`python -m minillm.bench report` assembles them).
+"""
+
+from __future__ import annotations
+
+from . import markdown as md
+from .common import model_label
+
+
+def decode_section(title: str, data: dict, links: dict) -> str:
+    results = data["results"]
+    names = list(dict.fromkeys(name for res in results.values() for name in res["contenders"]))
+    rows = []
+    for dtype, res in results.items():
+        speeds = _speeds(res)
+        minillm, transformers = _fastest(speeds, "minillm"), _fastest(speeds, "transformers")
+        ratio = f"**{md.times(speeds[minillm] / speeds[transformers])}**" if minillm and transformers else "—"
+        cells = [f"{speeds[name]:.1f}" if name in speeds else "—" for name in names]
+        rows.append([md.PRECISIONS.get(dtype, dtype), *cells, ratio])
+    header = ["precision", *(_contender_label(name) for name in names), "best minillm / best transformers"]
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"{model_label(data['model'])}, {data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, "
+                   f"greedy, decode tokens/s. {_same_tokens_sentence(results)}"),
+        md.provenance(data), md.table(header, rows), _decode_bullets(data)])
+
+
+def _speeds(res: dict) -> dict:
+    return {name: row["tokens_per_second"] for name, row in res["contenders"].items()}
+
+
+def _fastest(speeds: dict, library: str) -> str | None:
+    """The name of the library's fastest contender, or None if it has none."""
+    names = [name for name in speeds if name.startswith(library)]
+    return max(names, key=speeds.get) if names else None
+
+
+def _contender_label(name: str) -> str:
+    """'minillm none' -> 'minillm no cache'; 'transformers' (its default cache) -> 'transformers dynamic cache'."""
+    library, _, cache = name.partition(" ")
+    return f"{library} {md.CACHES.get(cache or 'dynamic', cache)}"
+
+
+def _same_tokens_sentence(results: dict) -> str:
+    differing = [f"{name} in {md.PRECISIONS.get(dtype, dtype)}" for dtype, res in results.items()
+                 for name, same in res["same_tokens_as_minillm_static"].items() if not same]
+    if not differing:
+        return "Every contender produced the same tokens as minillm with a static cache."
+    return f"Tokens different from minillm's static cache: {', '.join(differing)}."
+
+
+def _decode_bullets(data: dict) -> str:
+    results, bullets = data["results"], []
+    for i, (dtype, res) in enumerate(results.items()):
+        speeds = _speeds(res)
+        minillm, transformers = _fastest(speeds, "minillm"), _fastest(speeds, "transformers")
+        text = f"{md.PRECISIONS.get(dtype, dtype)} reads {res['weight_bytes'] / 1e6:.0f} MB of weights per token. "
+        text += (f"At the run's measured peak read bandwidth ({data['memory_bandwidth_gb_s']:.0f} GB/s, the fastest "
+                 "`torch.sum` over a large tensor) that allows " if i == 0 else "That allows ")
+        text += (f"{res['roofline_tokens_per_second']:.0f} tok/s, so minillm reaches "
+                 f"**{md.percent(res['contenders'][minillm]['roofline_fraction'])} of the roofline**")
+        if transformers:
+            text += f" (transformers {md.percent(res['contenders'][transformers]['roofline_fraction'])})"
+        bullets.append(md.bullet(text + "."))
+    if "float32" in results and "bfloat16" in results:
+        bullets.append(md.bullet(_precision_sentence(data)))
+    prefill = data["prefill"]
+    bullets.append(md.bullet(
+        f"Prefill of a {prefill['tokens']}-token prompt: minillm {prefill['seconds']['minillm']:.2f} s, transformers "
+        f"{prefill['seconds']['transformers']:.2f} s (**{md.times(prefill['speedup_vs_transformers'])}**)."))
+    return "\n".join(bullets)
+
+
+def _precision_sentence(data: dict) -> str:
+    """BF16 against FP32, and whether the CPU has the instructions that decide it (when the JSON says)."""
+    fp32, bf16 = (_speeds(data["results"][dtype]) for dtype in ("float32", "bfloat16"))
+    ratio = bf16[_fastest(bf16, "minillm")] / fp32[_fastest(fp32, "minillm")]
+    text = (f"minillm's best BF16 decoding runs at {md.times(ratio)} its best FP32 speed. Half the bytes pays only "
+            "where the CPU multiplies BF16 natively (lesson 05)")
+    flags = data["machine"].get("cpu_flags")
+    if flags is not None:
+        native = [flag for flag in flags if "bf16" in flag]
+        text += (f": this CPU reports {', '.join(f'`{flag}`' for flag in native)}" if native
+                 else ": this CPU reports no BF16 instructions")
+    return text + "."
+
+
+def cache_scaling_section(title: str, data: dict, links: dict) -> str:
+    rows, growth = data["rows"], data["growth"]
+    first, last = rows[0]["length"], rows[-1]["length"]
+    header = ["sequence length", *(str(row["length"]) for row in rows), f"growth {first} → {last}"]
+    body = [[name, *(md.milliseconds(row[name]) for row in rows), md.times(growth[name])] for name in growth]
+    text = (f"From {first} to {last} tokens the cost of the next token grows {md.times(growth['static cache'])} with "
+            f"a static cache and {md.times(growth['dynamic cache'])} with a dynamic one, against "
+            f"{md.times(growth['no cache'])} without a cache, which recomputes every earlier position at each step.")
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"{model_label(data['model'])}, {md.PRECISIONS.get(data['dtype'], data['dtype'])}, ms for the next "
+                   "token after the given number of tokens."),
+        md.provenance(data), md.table(header, body), md.paragraph(text)])
+
+
+def batch_section(title: str, data: dict, links: dict) -> str:
+    rows = data["rows"]
+    lengths = rows[-1]["prompt_lengths"]
+    differing = [str(row["batch"]) for row in rows if not row["same_tokens"]]
+    same = ("At every batch size minillm and transformers produced the same tokens." if not differing else
+            f"minillm and transformers produced different tokens at batch {', '.join(differing)}.")
+    header = ["batch", *(str(row["batch"]) for row in rows)]
+    body = [["minillm tok/s (prefill included)", *(f"{r['minillm']['tokens_per_second']:.1f}" for r in rows)],
+            ["transformers tok/s", *(f"{r['transformers']['tokens_per_second']:.1f}" for r in rows)],
+            ["minillm / transformers", *(md.times(r["speedup_vs_transformers"]) for r in rows)],
+            ["minillm decode-only tok/s", *(f"{r['minillm']['decode_per_second']:.1f}" for r in rows)],
+            ["padding share of computed positions", *(md.percent(r["padding_share"]) for r in rows)]]
+    first, biggest = rows[0], rows[-1]
+    decode_scaling = biggest["minillm"]["decode_per_second"] / first["minillm"]["decode_per_second"]
+    text = (f"Batch {biggest['batch']} gives {biggest['minillm_scaling_vs_batch_1']:.1f}x batch {first['batch']}'s "
+            f"throughput end to end and {decode_scaling:.1f}x in the decode phase alone; minillm / transformers goes "
+            f"from {md.times(first['speedup_vs_transformers'])} at batch {first['batch']} to "
+            f"{md.times(biggest['speedup_vs_transformers'])}. A batch reads the weights once for all its rows, until "
+            "the step's matrix multiplications become compute-bound; and a padded prefill computes padding too: "
+            f"{md.percent(biggest['prefill_padding_share'])} of the prefill positions at batch {biggest['batch']} "
+            "(lesson 07's packed-prefill exercise removes it).")
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"{model_label(data['model'])}, {md.PRECISIONS.get(data['dtype'], data['dtype'])}, greedy, prompts "
+                   f"of {min(lengths)}-{max(lengths)} tokens, {data['new_tokens']} new tokens each. {same}"),
+        md.provenance(data), md.table(header, body), md.paragraph(text)])
+
+
+def speculative_section(title: str, data: dict, links: dict) -> str:
+    tasks = data["tasks"]
+    ks = sorted({int(k) for task in tasks.values() for by_k in task["contenders"].values() for k in by_k})
+    header = ["task", "drafter", "plain tok/s", *(f"k = {k}" for k in ks)]
+    body = []
+    for task, result in tasks.items():
+        for name, by_k in result["contenders"].items():
+            library = name.split()[0]
+            rows = [by_k.get(str(k), by_k.get(k)) for k in ks]
+            cells = ["" if row is None else md.times(row["speedup"]) +
+                     (f" ({row['acceptance_rate']:.2f})" if row.get("acceptance_rate") is not None else "")
+                     for row in rows]
+            speedups = [row["speedup"] if row else float("-inf") for row in rows]
+            body.append([task, name, f"{result[f'{library} plain']['tokens_per_second']:.1f}",
+                         *md.bold_max(cells, speedups)])
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"{model_label(data['model'])}, {md.PRECISIONS.get(data['dtype'], data['dtype'])}, greedy, batch 1, "
+                   f"up to {data['max_new_tokens']} new tokens. Each cell is tokens/s as a multiple of the same "
+                   "library's plain greedy decoding (prefill included), with minillm's acceptance rate in brackets; "
+                   f"bold: the best k. "
+                   + _matches_sentence([f"{name} at k = {k} ({task})" for task, result in tasks.items()
+                                     for name, by_k in result["contenders"].items() for k, row in by_k.items()
+                                     if not row["matches_plain"]])),
+        md.provenance(data), md.table(header, body), _speculative_bullets(data)])
+
+
+def _matches_sentence(differing: list[str]) -> str:
+    """Whether every run gave plain greedy's tokens, naming the runs that did not."""
+    if not differing:
+        return "Every run produced exactly the plain greedy tokens."
+    return f"Runs whose tokens differ from plain greedy's: {', '.join(differing)}."
+
+
+def _speculative_bullets(data: dict) -> str:
+    tasks, bullets = data["tasks"], []
+    for task, result in tasks.items():
+        lookup = result["contenders"].get("minillm prompt-lookup")
+        if not lookup:
+            continue
+        best_k = max(lookup, key=lambda k: lookup[k]["speedup"])
+        best = lookup[best_k]
+        text = (f"{task}: prompt lookup is accepted "
+                f"{md.span([row['acceptance_rate'] for row in lookup.values()], 0, '%', 100)} of the time and gives "
+                f"{md.span([row['speedup'] for row in lookup.values()], unit='x')}, at best "
+                f"{best['tokens_per_second']:.1f} tok/s (k={best_k}) against plain greedy's "
+                f"{result['minillm plain']['tokens_per_second']:.1f}.")
+        reference = result["contenders"].get("transformers prompt-lookup")
+        if reference:
+            best_reference = max(row["tokens_per_second"] for row in reference.values())
+            text += (" transformers' prompt lookup gives up to "
+                     f"{md.times(max(row['speedup'] for row in reference.values()))} over its own plain greedy "
+                     f"({result['transformers plain']['tokens_per_second']:.1f} tok/s): at best {best_reference:.1f} "
+                     f"tok/s, {md.times(best_reference / best['tokens_per_second'])} minillm's best.")
+        bullets.append(md.bullet(text))
+    bullets.append(md.bullet("Prompt lookup pays where the output repeats the input (edits, code changes, "
+                             "extraction); elsewhere its drafts are rejected and verifying them is wasted work."))
+    bullets.append(md.bullet(
+        f"Verifying k + 1 tokens in one forward costs {md.span(data['verify_cost'].values(), 1)} single-token "
+        "forwards (measured), which is what caps the gain."))
+    for spec, cost in data["draft_cost_ratio"].items():
+        rows = [row for result in tasks.values() for row in result["contenders"].get(f"minillm draft {spec}", {})
+                .values()]
+        if rows:
+            bullets.append(md.bullet(
+                f"Draft `{spec}` ({_draft_label(spec)}) costs {cost:.2f} of a target step and is accepted "
+                f"{md.span([row['acceptance_rate'] for row in rows], 0, '%', 100)} of the time: "
+                f"{md.span([row['speedup'] for row in rows], unit='x')} across tasks and k."))
+    bullets.append(md.bullet("A draft model pays only when it is much cheaper than the target and agrees with it."))
+    return "\n".join(bullets)
+
+
+def _draft_label(spec: str) -> str:
+    kind, _, value = spec.partition(":")
+    if kind == "dtype":
+        return f"the target's weights in {md.PRECISIONS.get(value, value)}"
+    if kind == "layers":
+        return f"the target's first {value} blocks"
+    return spec
+
+
+def lookahead_section(title: str, data: dict, links: dict) -> str:
+    tasks = data["tasks"]
+    names = list(next(iter(tasks.values()))["contenders"])
+    shown = [name for name in names if not name.endswith(" plain")]
+    header = ["task", "minillm plain tok/s", *shown]
+    body = []
+    for task, result in tasks.items():
+        entries = [result["contenders"][name] for name in shown]
+        cells = [md.times(e["speedup"]) + (f" ({e['tokens_per_forward']:.2f})" if "tokens_per_forward" in e else "")
+                 for e in entries]
+        body.append([task, f"{result['contenders']['minillm plain']['tokens_per_second']:.1f}",
+                     *md.bold_max(cells, [e["speedup"] for e in entries])])
+    prompts = sorted({n for result in tasks.values() for n in result["prompt_tokens"]})
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"{model_label(data['model'])}, {md.PRECISIONS.get(data['dtype'], data['dtype'])}, greedy, batch 1, "
+                   f"held-out prompts of {prompts[0]}-{prompts[-1]} tokens, up to {data['max_new_tokens']} new tokens; "
+                   f"lookahead at decoding length {data['decoding_length']}, branch length {data['branch_length']}; "
+                   f"prompt lookup at k = {data['prompt_lookup_k']}. Each cell is tokens/s as a multiple of the same "
+                   "library's plain greedy decoding (prefill included), with tokens per target forward in brackets; "
+                   "bold: the fastest. "
+                   + _matches_sentence([f"{name} ({task})" for task, result in tasks.items()
+                                     for name, entry in result["contenders"].items() if not entry["matches_plain"]])),
+        md.provenance(data), md.table(header, body), _lookahead_bullets(data)])
+
+
+def _lookahead_bullets(data: dict) -> str:
+    bullets = []
+    for task, result in data["tasks"].items():
+        c = result["contenders"]
+        warm, prompt_only, lookup = (c["minillm lookahead (warm)"], c["minillm lookahead (prompt)"],
+                                     c["minillm prompt-lookup"])
+        best_key, best = max(result["sweep"]["settings"].items(), key=lambda item: item[1]["speedup"])
+        bullets.append(md.bullet(
+            f"{task}: warm lookahead {md.times(warm['speedup'])} plain greedy and "
+            f"{md.times(warm['tokens_per_second'] / lookup['tokens_per_second'])} prompt lookup (prompt-only trie: "
+            f"{md.times(prompt_only['speedup'])}); it feeds {warm['fed_per_forward']:.1f} tokens per forward to gain "
+            f"{warm['tokens_per_forward']:.2f}, and retrieving drafts takes {warm['draft_share']:.1%} of the "
+            f"time. Best in the sweep: decoding length {best['decoding_length']}, branch length "
+            f"{best['branch_length']} ({md.times(best['speedup'])}, one run)."))
+    bullets.append(md.bullet("Lookahead pays where the answer repeats what the trie has seen (the prompt, or earlier "
+                             "answers of the same kind); on open-ended text its drafts fail, and the adaptive budget "
+                             "shrinks them to the few tokens a forward verifies at about a plain step's cost."))
+    return "\n".join(bullets)

@@ -1,0 +1,201 @@
+"""The README sections of the serving and speed suites (lessons 12-16): serving, server, attention, compile, quant.
+
+These suites compare ways of running the same model (continuous against static batching,
+kernels, compiled and exported graphs, quantized weights), so their sections lead with the
+ratios against the plain path and against transformers and llama.cpp, and name each
+contender's cost (memory, build time, accuracy) beside its speed.
+"""
+
+from __future__ import annotations
+
+from . import markdown as md
+from .common import COMPILED_SUFFIX, model_label
+
+
+def serving_section(title: str, data: dict, links: dict) -> str:
+    ways = ("continuous", "continuous, no prefix cache", "static", "one at a time")
+    header = ["request rate", *ways]
+    body = []
+    for row in data["rows"]:
+        rate = "all at once" if row["rate"] is None else f"{row['rate']:g} req/s"
+        cells = [f"{row[way]['tokens_per_second']:.1f}, {row[way]['e2e']['p99']:.1f} s" if way in row else "—"
+                 for way in ways]
+        body.append([rate, *md.bold_max(cells, [row[way]["tokens_per_second"] if way in row else 0 for way in ways])])
+    workload = data["workload"]
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"{model_label(data['model'])}, {md.PRECISIONS.get(data['dtype'], data['dtype'])}, "
+                   f"{data['requests']} requests per rate arriving as a Poisson process, each a chat prompt behind the "
+                   f"same {workload['system_prompt_tokens']}-token system prompt, with long-tailed output lengths (EOS "
+                   f"ignored); batch limit {data['max_batch']}, a paged pool of {data['engine']['num_blocks']} blocks "
+                   f"of {data['engine']['block_size']} tokens. Each cell: output tokens/s over the run (first arrival "
+                   "to last token), then the 99th-percentile end-to-end latency of a request; bold: the highest "
+                   "throughput; one at a time is measured at saturation only."),
+        md.provenance(data), md.table(header, body), _serving_bullets(data)])
+
+
+def _serving_bullets(data: dict) -> str:
+    saturated = data["rows"][-1]
+    c, no_cache, static = saturated["continuous"], saturated["continuous, no prefix cache"], saturated["static"]
+    ratios = [row["throughput_vs_static"] for row in data["rows"]]
+    return "\n".join([
+        md.bullet(f"All requests at once: continuous batching serves {md.times(saturated['throughput_vs_static'])} "
+                  f"static batching's throughput (over all rates: {md.span(ratios)}x), with a p99 latency of "
+                  f"{c['e2e']['p99']:.1f} s against {static['e2e']['p99']:.1f} s and a median time to first token of "
+                  f"{c['ttft']['p50']:.2f} s against {static['ttft']['p50']:.2f} s."),
+        md.bullet(f"KV memory: {md.percent(c['paged_used_share'])} of the slots in the blocks handed out hold keys "
+                  "(paged); reserving each request's maximum length contiguously, only "
+                  f"{md.percent(c['contiguous_used_share'])} would (mean over the steps). At the peak the paged pool "
+                  f"held {c['paged_peak_slots']} slots where the contiguous reservation needs "
+                  f"{c['contiguous_peak_slots']}."),
+        md.bullet(f"The prefix cache served {md.percent(c['prefix_hit_rate'])} of the prompt tokens from blocks "
+                  f"already computed; without it the same run gives {no_cache['tokens_per_second']:.1f} tok/s instead "
+                  f"of {c['tokens_per_second']:.1f}."),
+    ])
+
+
+def attention_section(title: str, data: dict, links: dict) -> str:
+    rows, names = data["rows"], ("naive", "flash", "sdpa")
+    header = ["sequence length", *(str(row["length"]) for row in rows)]
+    body = [*([f"{name} ms", *(md.milliseconds(row["ms"][name]) for row in rows)] for name in names),
+            *([f"{name} peak MiB", *(f"{row['peak_mib'][name]:.1f}" for row in rows)] for name in names),
+            ["naive / flash GFLOP", *(f"{row['cost']['naive']['flops'] / 1e9:.2f} / "
+                                      f"{row['cost']['flash']['flops'] / 1e9:.2f}" for row in rows)]]
+    first, last = rows[0], rows[-1]
+    growth = {name: last["peak_mib"][name] / first["peak_mib"][name] for name in names}
+    ms, cost = last["ms"], last["cost"]
+    sweep = data["sweep"]
+    best = min(sweep["tiles"], key=lambda entry: entry["ms"])
+    error = max(max(row["max_abs_error_vs_sdpa"].values()) for row in rows)
+    text = (f"From {first['length']} to {last['length']} tokens ({last['length'] // first['length']}x) naive "
+            f"attention's peak memory grows {growth['naive']:.0f}x (it holds every score) and flash attention's "
+            f"{growth['flash']:.1f}x (one tile of scores, and the output). At {last['length']} tokens naive takes "
+            f"{md.times(ms['naive'] / ms['flash'])} flash's time and {md.times(ms['naive'] / ms['sdpa'])} SDPA's; "
+            f"flash computes {md.percent(cost['flash']['flops'] / cost['naive']['flops'])} of naive's FLOPs (it skips "
+            f"the tiles above the diagonal) and moves {md.percent(cost['flash']['bytes'] / cost['naive']['bytes'])} of "
+            f"its bytes. Among flash tiles of {md.span([entry['tile'] for entry in sweep['tiles']], digits=0)} at "
+            f"{sweep['length']} tokens, {best['tile']} was fastest ({md.milliseconds(best['ms'])} ms). Every output "
+            f"was within {error:.0e} of SDPA's.")
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"one causal prefill through one attention layer of {model_label(data['model'])}'s shape "
+                   f"({data['heads']} query heads, {data['kv_heads']} key heads, head size {data['head_dim']}), "
+                   f"{md.PRECISIONS.get(data['dtype'], data['dtype'])}, batch {data['batch']}, random q, k, v, "
+                   f"{data['threads']} thread; flash tiles of {data['tile']}. Peak memory counts every tensor the "
+                   "call allocates (the same on any machine); "
+                   "GFLOP counts the products computed."),
+        md.provenance(data), md.table(header, body), md.paragraph(text)])
+
+
+def server_section(title: str, data: dict, links: dict) -> str:
+    c, soak = data["concurrency"], data["soak"]
+
+    def ms(value) -> str:
+        return "—" if value is None else f"{value * 1000:.0f} ms"
+
+    header = ["load", "output tok/s", "TTFT p50 / p99", "TPOT p50 / p99", "end-to-end p99", "failed"]
+    rows = []
+    for label, run in (("1 client, one request at a time", c["single"]),
+                       (f"{data['clients']} clients at once", c["crowd"]),
+                       *((f"{r['rate']:g} req/s, Poisson", r) for r in data["rates"])):
+        rows.append([label, f"{run['tokens_per_second']:.1f}", f"{ms(run['ttft']['p50'])} / {ms(run['ttft']['p99'])}",
+                     f"{ms(run['tpot']['p50'])} / {ms(run['tpot']['p99'])}", f"{run['e2e']['p99']:.1f} s",
+                     str(run["failed"])])
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"`python -m minillm.serve` ({model_label(data['model'])}, "
+                   f"{md.PRECISIONS.get(data['dtype'], data['dtype'])}) in its own process, driven over loopback by "
+                   f"`minillm.serving.loadtest`'s streaming chat clients; {data['tokens_per_request']} tokens per "
+                   "request in the client rows, the lesson 12 workload (a shared system prompt, long-tailed answers) "
+                   "in the rate rows. TTFT: time to first token; TPOT: time per output token after the first."),
+        md.provenance(data), md.table(header, rows),
+        "\n".join([
+            md.bullet(f"{data['clients']} concurrent streaming clients get {md.times(c['speedup'])} the output "
+                      f"throughput of one client, each waiting {ms(c['crowd']['tpot']['p50'])} per token instead of "
+                      f"{ms(c['single']['tpot']['p50'])}."),
+            md.bullet(f"Soak: {soak['seconds']:.0f} s of mixed traffic from {soak['clients']} clients: "
+                      f"{soak['well_formed']} well-formed requests ({soak['well_formed_failed']} failed), "
+                      f"{soak['abandoned']} clients hanging up mid-stream, {soak['malformed']} malformed or impossible "
+                      f"requests ({soak['malformed_wrong_status']} answered other than documented); "
+                      f"{soak['server_errors']} 5xx answers; afterwards {soak['requests_held_after']} requests and "
+                      f"{soak['blocks_leaked']} KV blocks still held."),
+        ])])
+
+
+def compile_section(title: str, data: dict, links: dict) -> str:
+    results = data["results"]
+    names = ("minillm eager", "minillm compiled", "onnxruntime", "transformers", "llama.cpp F32")
+    header = ["precision", *(f"{name} tok/s" for name in names), "compiled / eager", "compiled, share of roofline",
+              "compile s", "export s"]
+    rows, notes = [], []
+    for dtype, res in results.items():
+        c = res["contenders"]
+        compiled = c["minillm compiled"]
+        rows.append([md.PRECISIONS.get(dtype, dtype),
+                     *(f"{c[name]['tokens_per_second']:.1f}" if name in c else "—" for name in names),
+                     f"**{md.times(compiled['speedup_vs_eager'])}**", md.percent(compiled["roofline_fraction"]),
+                     f"{res['compile_seconds']:.0f}", f"{res['onnx']['export_seconds']:.0f}"])
+        prefill = ", ".join(f"{name} {md.milliseconds(1000 * c[name]['prefill_seconds'])}"
+                            for name in names if name in c)
+        notes.append(md.bullet(f"{md.PRECISIONS.get(dtype, dtype)} prefill of {data['prefill_tokens']} tokens (ms): "
+                               f"{prefill}."))
+        if "unsupported" in res["onnx"]:
+            notes.append(md.bullet(f"onnxruntime's CPU provider could not run the {md.PRECISIONS.get(dtype, dtype)} "
+                                   f"graphs: `{res['onnx']['unsupported']}`."))
+        if "llama.cpp F32" in c:
+            ratio = compiled["tokens_per_second"] / c["llama.cpp F32"]["tokens_per_second"]
+            notes.append(md.bullet(f"{md.PRECISIONS.get(dtype, dtype)} minillm compiled against llama.cpp F32 on "
+                                   f"the same weights: {md.times(ratio)} decode speed."))
+        differing = [f"{name} ({md.PRECISIONS.get(dtype, dtype)})" for name, row in c.items()
+                     if not row["same_tokens_as_eager"]]
+        if differing:
+            notes.append(md.bullet(f"Tokens differing from eager minillm: {', '.join(differing)} (in reduced precision "
+                                   "fused kernels round differently from separate ops; in FP32 they must match)."))
+    if data["llama_cpp"] is not None:
+        notes.append(md.bullet(f"llama.cpp: {data['llama_cpp']}."))
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"{model_label(data['model'])}, {data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, "
+                   f"greedy, batch 1, decode tokens/s; every graph over a cache of {data['context']} tokens. Compile "
+                   "and export are one-off costs, paid before the first token."),
+        md.provenance(data), md.table(header, rows), "\n".join(notes)])
+
+
+def quant_section(title: str, data: dict, links: dict) -> str:
+    accuracy, decode, prefill = data["accuracy"], data["decode"], data["prefill"]["seconds"]
+    batches = list(decode)
+    header = ["weights", "bits/weight", "perplexity", "vs float32", "KL", "top-1",
+              *(f"tok/s batch {b}" for b in batches), f"prefill {data['prefill']['tokens']} (s)"]
+    rows = []
+    for name, row in accuracy.items():
+        speeds = [f"{decode[b][name]['tokens_per_second']:.1f}" if name in decode[b] else "—" for b in batches]
+        rows.append([name, f"{row['bits_per_weight']:.2f}", f"{row['perplexity']:.2f}",
+                     f"{row['perplexity_change']:+.1%}", f"{row.get('kl', 0):.4f}",
+                     md.percent(row.get("top1_agreement", 1)),
+                     *speeds, f"{prefill[name]:.2f}" if name in prefill else "—"])
+    for name in decode[batches[0]]:
+        if name not in accuracy:
+            base = accuracy.get(name.removesuffix(COMPILED_SUFFIX))  # a compiled variant: its weights' accuracy
+            known = ([f"{base['bits_per_weight']:.2f}", f"{base['perplexity']:.2f}",
+                      f"{base['perplexity_change']:+.1%}", "", ""] if base else [""] * 5)
+            rows.append([name, *known, *(f"{decode[b][name]['tokens_per_second']:.1f}" if name in decode[b]
+                                         else "—" for b in batches), "—"])
+    speed = {name: row["tokens_per_second"] for name, row in decode["1"].items()}
+    fastest = max((n for n in speed if n.removesuffix(COMPILED_SUFFIX) in accuracy), key=speed.get)
+    notes = [md.bullet(f"Fastest at batch 1: {fastest}, {md.times(speed[fastest] / speed['float32'])} float32, "
+                       f"perplexity {accuracy[fastest.removesuffix(COMPILED_SUFFIX)]['perplexity_change']:+.1%}.")]
+    # The shipped file's format is Q4_1 blocks with a Q8_0 embedding, which the tied head reads: "int8 head"
+    # is the same bits llama.cpp runs, "int4 head" fewer.
+    for variant, theirs in (("GGUF Q4_1 (int8 head)", "llama.cpp Q4_1"), ("GGUF Q4_1 (int4 head)", "llama.cpp Q4_1"),
+                            ("int8", "llama.cpp Q8_0")):
+        ours = variant + COMPILED_SUFFIX
+        if ours in speed and theirs in speed:
+            notes.append(md.bullet(f"{ours} against {theirs}: {md.times(speed[ours] / speed[theirs])}."))
+    notes.append(md.bullet(f"llama.cpp: {data['llama_cpp']}."))
+    return "\n\n".join([
+        md.heading(title, links,
+                   f"{model_label(data['model'])}, perplexity on {data['held_out_tokens']} held-out tokens (windows of "
+                   f"{data['window']}), KL and top-1 agreement against float32; decode tokens/s at "
+                   f"{data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, greedy. MX rows are codecs "
+                   "applied to the weights (float32 compute: accuracy only)."),
+        md.provenance(data), md.table(header, rows), "\n".join(notes)])
