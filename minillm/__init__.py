@@ -8,8 +8,8 @@ the absence of cycles and of private cross-module imports):
     serving/      the OpenAI-compatible HTTP server and its load test (lesson 13)
     strategies/   decoding loops: generate, speculative, lookahead, beam, streaming (02, 03, 07-11)
     runtime/      a request's life: the decode session, batching, the scheduler, the engine (06, 07, 12)
-    speed/        precision, quantization, MX, attention kernels, compilation, ONNX export (05, 14-16)
     decoding/     choosing tokens and stopping: settings, logits processors, stop strings, text (02-04, 09)
+    speed/        precision, quantization, MX, attention kernels, compilation, ONNX export (05, 14-16)
     cache/        KV caches: contiguous (06) and paged, with prefix caching (12)
     model/        the transformer, its families, tokenizers and weights (01, 17)
     base/         what every part stands on: atomic JSON, one-line command errors
