@@ -12,15 +12,8 @@ from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession, Tree
 from minillm.strategies.drafters import FREE_DRAFT, Draft, latest_earlier_occurrence
 from minillm.strategies.generate import generate
-from minillm.strategies.lookahead import (
-    CopyPointer,
-    DraftTree,
-    Lookahead,
-    NGramTrie,
-    context_first,
-    likeliest_paths,
-    share_draft,
-)
+from minillm.strategies.lookahead import CopyPointer, DraftTree, Lookahead, context_first, share_draft
+from minillm.strategies.ngram_trie import NGramTrie, likeliest_paths
 from minillm.strategies.speculative import SpeculativeDecoder, speculative_generate
 
 TINY_PROMPT = [5, 9, 14, 3, 27, 9, 14, 3, 8]

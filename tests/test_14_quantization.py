@@ -39,12 +39,8 @@ from minillm.speed.quant import (
     StaticInt8Linear,
     dequantize_int4,
     dequantize_int8,
-    dequantize_model,
     quantize_int4_groupwise,
     quantize_int8_per_channel,
-    quantize_model,
-    quantized_modules,
-    weight_bytes,
 )
 from minillm.speed.quant_gguf import (
     decode_blocks,
@@ -53,6 +49,7 @@ from minillm.speed.quant_gguf import (
     int4_linear_from_blocks,
     int8_linear_from_q8_0,
 )
+from minillm.speed.quantize_model import dequantize_model, quantize_model, quantized_modules, weight_bytes
 
 # The default model's matrices (N, K): q/k/v fused, o, gate/up fused, down; and a small odd one.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (48, 64)]

@@ -18,7 +18,8 @@ from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession, Tree, new_token_mask
 from minillm.strategies.drafters import Draft
 from minillm.strategies.generate import generate
-from minillm.strategies.lookahead import Lookahead, NGramTrie
+from minillm.strategies.lookahead import Lookahead
+from minillm.strategies.ngram_trie import NGramTrie
 from minillm.strategies.speculative import SpeculativeDecoder, speculative_generate
 
 PROMPT = [5, 9, 14, 3, 27, 9, 14, 3, 8, 5, 9, 14]  # repeats, so copying drafters find branches

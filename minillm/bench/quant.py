@@ -2,7 +2,7 @@
 
 Accuracy: perplexity on the held-out text (`minillm.speed.quality`, ~12,000 tokens, windows of
 1024), and next-token KL divergence and top-1 agreement against the float32 model, for
-every swap of `minillm.speed.quant` / `minillm.speed.quant_gguf` and every MX codec of `minillm.speed.mx`
+every swap of `minillm.speed.quantize_model` / `minillm.speed.quant_gguf` and every MX codec of `minillm.speed.mx`
 (applied to the weights, computing in float32: accuracy only). The float32 model is the
 GGUF's Q4_1 weights dequantized, so "float32" here already carries the file's 4-bit loss;
 every variant is measured against it.
@@ -31,8 +31,8 @@ from ..model.loading import resolve_checkpoint_folder
 from ..speed.load import load_model
 from ..speed.mx import MX_FORMATS, SHARED_MICROEXPONENT, apply_mx_to_weights, bits_per_weight
 from ..speed.quality import compare_models, held_out_tokens
-from ..speed.quant import linears, quantize_model, weight_bytes
 from ..speed.quant_gguf import gguf_path_for, use_gguf_weights
+from ..speed.quantize_model import linears, quantize_model, weight_bytes
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import COMPILED_SUFFIX, alternate, finish_figure, measure_memory_bandwidth, median, plot_title

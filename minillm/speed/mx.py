@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .quant import QuantizationError, linears
+from .quant import QuantizationError
+from .quantize_model import linears
 
 SCALE_BIAS = 127
 SCALE_NAN = 255

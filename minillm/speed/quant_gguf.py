@@ -32,15 +32,8 @@ from tqdm.auto import tqdm
 
 from ..model.gguf import read_gguf, unpermute_rope
 from ..model.loading import DEFAULT_ALIASES, default_gguf_path
-from .quant import (
-    Int4WeightLinear,
-    Int8WeightLinear,
-    QuantizationError,
-    check_int4_shape,
-    quantize_int4_groupwise,
-    quantize_model,
-    replace_module,
-)
+from .quant import Int4WeightLinear, Int8WeightLinear, QuantizationError, check_int4_shape, quantize_int4_groupwise
+from .quantize_model import quantize_model, replace_module
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -238,7 +231,7 @@ def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torc
 
 def apply_quantization(model: nn.Module, method: str, name_or_path: str) -> nn.Module:
     """The CLI's --quant: "gguf" runs the model's GGUF blocks (`name_or_path` says which file), the rest
-    `minillm.speed.quant.quantize_model`; int4 in groups of 32 (the finest the kernel offers) with an int8 head,
+    `minillm.speed.quantize_model.quantize_model`; int4 in groups of 32 (the finest the kernel offers) with an int8 head,
     as the GGUF path has (a 4-bit head costs more accuracy than every other matrix together: lesson 14)."""
     if method == "gguf":
         return use_gguf_weights(model, gguf_path_for(name_or_path))
