@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -209,6 +211,37 @@ def alternate(contenders: dict, repeats: int = 3, warmup: int = 1,
                     times[name].append(reported if isinstance(reported, (int, float)) else elapsed)
                 progress.update()
     return times
+
+
+@contextmanager
+def stderr_silenced():
+    """Point file descriptor 2 at /dev/null for the block (C++ code writes there, below Python's sys.stderr)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextmanager
+def quiet_profile(**options):
+    """`torch.profiler.profile(**options)` without the two `USDT: ... profiler_start / profiler_stop` lines that
+    torch 2.13's profiler writes from C++ as it starts and stops (they say nothing about the code profiled, and a
+    notebook would store them). Only the start and the stop are silenced: errors inside the block still show."""
+    from torch.profiler import profile
+
+    prof = profile(**options)
+    with stderr_silenced():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with stderr_silenced():
+            prof.__exit__(None, None, None)
 
 
 def median(values) -> float:
