@@ -305,14 +305,15 @@ def run(args) -> int:
         apply_quantization(model, args.quant, args.model)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
-    texts = [prompt_text(tokenizer, p, args.chat, args.system) for p in prompts]
+    # Encoded once here: the context check reads the ids, and every strategy takes them as they are
+    rows = encode_prompts([prompt_text(tokenizer, p, args.chat, args.system) for p in prompts], tokenizer)
     if beam is None and not args.speculative and not args.slide:
-        check_fits_context(encode_prompts(texts, tokenizer), config.max_new_tokens, model.config.context_length)
-    stream = not args.json and len(texts) == 1 and beam is None
+        check_fits_context(rows, config.max_new_tokens, model.config.context_length)
+    stream = not args.json and len(rows) == 1 and beam is None
     if beam is not None:  # every prompt in one search; beams do not stream (they change until the end)
         from .strategies.beam import beam_search
 
-        out = beam_search(model, texts, config, tokenizer=tokenizer, cache=args.cache, **beam)
+        out = beam_search(model, rows, config, tokenizer=tokenizer, cache=args.cache, **beam)
     elif args.speculative:
         from .strategies.drafters import make_drafter
         from .strategies.lookahead import Lookahead
@@ -324,10 +325,10 @@ def run(args) -> int:
         else:
             drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
             budget = {"num_draft_tokens": args.num_draft_tokens or 4}
-        out = speculative_generate(model, texts, drafter, config, tokenizer=tokenizer, cache=args.cache,
+        out = speculative_generate(model, rows, drafter, config, tokenizer=tokenizer, cache=args.cache,
                                    streamer=PrintStreamer() if stream else None, **budget)
     else:
-        out = generate_in_batches(model, texts, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
+        out = generate_in_batches(model, rows, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
                                   streamer=PrintStreamer() if stream else None, compile=args.compile)
     per_prompt = beam["num_return_sequences"] if beam else 1
     for i, row in enumerate(out.rows):

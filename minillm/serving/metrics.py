@@ -38,6 +38,9 @@ class ServerMetrics:
         def gauge(name, text):
             return Gauge(f"minillm_{name}", text, labels, registry=registry).labels(model_name)
 
+        def counter(name, text):
+            return Counter(f"minillm_{name}", text, labels, registry=registry).labels(model_name)
+
         def histogram(name, text, buckets):
             return Histogram(f"minillm_{name}", text, labels, buckets=buckets, registry=registry).labels(model_name)
 
@@ -47,10 +50,8 @@ class ServerMetrics:
         self.blocks_total = gauge("kv_blocks_total", "KV cache blocks in the pool")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
                                      "Share of admitted prompt tokens whose keys came from the prefix cache")
-        self.prompt_tokens = Counter("minillm_prompt_tokens", "Prompt tokens of finished requests", labels,
-                                     registry=registry).labels(model_name)
-        self.generation_tokens = Counter("minillm_generation_tokens", "Tokens generated for finished requests",
-                                         labels, registry=registry).labels(model_name)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests")
         self.finished = Counter("minillm_requests_finished", "Requests that ended, by finish reason",
                                 [*labels, "finish_reason"], registry=registry)
         self.time_to_first_token = histogram("time_to_first_token_seconds",
