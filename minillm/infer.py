@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .base import jsonio
-from .base.commands import OneLineParser, add_model_flags, run_command
+from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
 from .decoding.outputs import encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
 from .strategies.streaming import PrintStreamer
@@ -27,9 +27,11 @@ EPILOG = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m minillm.infer", description="Generate text with a minillm model. It runs "
-                      "eager PyTorch (oneDNN matmuls on the CPU) unless --compile asks for compiled graphs or "
-                      "--plain for the from-scratch model alone; --stats prints which path ran.",
+    p = OneLineParser(prog="python -m minillm.infer", description="Generate text with a minillm model. Plain "
+                      "generation decodes through the compiled graph when one is already built for the model "
+                      "(`python -m minillm.compile`, or --compile, builds it once; --eager turns it off), and "
+                      "otherwise runs eager PyTorch (oneDNN matmuls on the CPU; --plain: the from-scratch model "
+                      "alone); --stats prints which path ran.",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="the prompt; repeat the flag for several prompts (generated in batches)")
@@ -55,19 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true",
                    help="run the plain from-scratch model, without the fast paths swapped in after loading "
                         "(oneDNN float32 matmuls on CPU); same tokens, slower")
-    p.add_argument("--compile", action="store_true",
-                   help="run the model as compiled graphs (lesson 15): torch.compile over a fixed-shape static "
-                        "cache; the first run compiles for a minute or more, later decode steps are faster; same "
-                        "tokens; plain generation with --cache static only")
+    graphs = p.add_mutually_exclusive_group()
+    graphs.add_argument("--compile", action="store_true",
+                        help="decode through the compiled graph (lesson 15), building it first when it is not on "
+                             "disk yet (about a minute and a half once per model, batch size and length bucket; "
+                             "`python -m minillm.compile` builds it ahead); same tokens in float32; plain generation "
+                             "with --cache static only")
+    graphs.add_argument("--eager", action="store_true",
+                        help="always run eager PyTorch, even when a compiled graph is on disk")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive", "flash"),
                    help="attention kernel (lesson 16): 'sdpa' (PyTorch's, default), 'naive' (the full score "
                         "matrix, memory grows with the square of the length) or 'flash' (tiled, online softmax); "
                         "same tokens")
-    p.add_argument("--quant", default="none", choices=("none", "int8", "int4", "gguf", "dynamic-int8"),
-                   help="quantized linears (lesson 14), swapped in after loading, CPU only: 'int8' / 'int4' weights "
-                        "(int4 in groups of 32, the LM head int8) computing in bfloat16, 'gguf' (the GGUF's own Q4_1 blocks run as "
-                        "they are stored: the default model or a .gguf file), 'dynamic-int8' (int8 weights and "
-                        "activations); close to the float model, not identical")
+    add_quant_flag(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when the model has one)")
@@ -207,9 +209,6 @@ def check_flag_combinations(args) -> None:
     if args.compile and (args.speculative or args.num_beams > 1 or args.cache != "static"):
         raise ValueError("--compile applies to plain generation over the static cache: drop --speculative, "
                          "--num-beams or --cache")
-    if args.quant != "none" and args.device != "cpu":
-        raise ValueError(f"--quant {args.quant} runs CPU kernels (lesson 14), not on {args.device}: drop --device, "
-                         f"or --quant")
     if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 
@@ -297,12 +296,9 @@ def run(args) -> int:
     config = sampling_config(args)  # validate before the (slow) model load
     beam = beam_options(args, config)
     check_flag_combinations(args)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain,
+                                  quant=args.quant)
     set_attention_backend(model, make_backend(args.attention))
-    if args.quant != "none":
-        from .speed.quant_gguf import apply_quantization
-
-        apply_quantization(model, args.quant, args.model)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
     # Encoded once here: the context check reads the ids, and every strategy takes them as they are
@@ -328,8 +324,13 @@ def run(args) -> int:
         out = speculative_generate(model, rows, drafter, config, tokenizer=tokenizer, cache=args.cache,
                                    streamer=PrintStreamer() if stream else None, **budget)
     else:
+        compile = True if args.compile else False if args.eager else None  # None: the kept graph if built
         out = generate_in_batches(model, rows, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
-                                  streamer=PrintStreamer() if stream else None, compile=args.compile)
+                                  streamer=PrintStreamer() if stream else None, compile=compile)
+        if compile is None and out.stats.extra.get("graph") == "eager" and args.cache == "static":
+            print("minillm: decoded eagerly: `python -m minillm.compile` (same --model/--dtype/--quant) builds "
+                  "the compiled decode graph once, and later runs load it in seconds and decode faster",
+                  file=sys.stderr)
     per_prompt = beam["num_return_sequences"] if beam else 1
     for i, row in enumerate(out.rows):
         prompt = prompts[i // per_prompt]
@@ -343,7 +344,9 @@ def run(args) -> int:
             print(f"### {prompt}{label}\n{row.text}\n")
     if args.stats:
         s = out.stats
-        print(f"[path: {'compiled graphs' if args.compile else 'eager'}, {args.cache} cache, {args.attention} "
+        graph = s.extra.get("graph", "eager")
+        built = f" (loaded or built in {s.build_seconds:.1f} s)" if graph == "compiled" else ""
+        print(f"[path: {graph}{built}, {args.cache} cache, {args.attention} "
               f"attention, {'plain model' if args.plain else 'fast paths'}, quantization {args.quant}, "
               f"{args.dtype} on {args.device}]", file=sys.stderr)
         rate = s.decode_tokens_per_second

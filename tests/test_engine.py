@@ -40,7 +40,7 @@ LAYERS = {
     "runtime": {"runtime"},
     "strategies": {"strategies"},
     "serving": {"serving"},
-    "front ends": {"infer", "serve", "export", "bench", "__main__", "__init__"},
+    "front ends": {"infer", "serve", "export", "compile", "bench", "__main__", "__init__"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 

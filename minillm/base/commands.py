@@ -24,6 +24,16 @@ def add_model_flags(parser, *, model_help: str, dtype_help: str, device: bool = 
     parser.add_argument("--dtype", default="float32", help=dtype_help)
 
 
+def add_quant_flag(parser) -> None:
+    """--quant: quantized linears swapped in after loading (lesson 14), for every command that runs the model."""
+    parser.add_argument("--quant", default="none", choices=("none", "int8", "int4", "gguf", "dynamic-int8"),
+                        help="quantized linears (lesson 14), swapped in after loading, CPU only: 'int8' / 'int4' "
+                             "weights (int4 in groups of 32, the LM head int8) computing in bfloat16, 'gguf' (the "
+                             "GGUF's own Q4_1 blocks run as they are stored: the default model or a .gguf file), "
+                             "'dynamic-int8' (int8 weights and activations); close to the float model, not "
+                             "identical")
+
+
 def negative_values_attached(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`--temperature -inf` -> `--temperature=-inf`: argparse would read a value that starts
     with '-' (and is not a plain number) as a flag and report "expected one argument"."""

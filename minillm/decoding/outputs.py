@@ -46,6 +46,7 @@ class GenerationStats:
     decode_tokens: int = 0  # tokens produced after each row's first one
     decode_seconds: float = 0.0
     forward_passes: int = 0  # model calls, prefills included
+    build_seconds: float = 0.0  # loading or building compiled graphs, before the run (not in the times above)
     extra: dict = field(default_factory=dict)  # what later lessons add (speculative: drafted, accepted, ...)
 
     @property
@@ -65,7 +66,8 @@ class GenerationStats:
 
     def add(self, other: "GenerationStats") -> None:
         """Sum another run's counters and times into this one (runs in sequence)."""
-        for name in ("prompt_tokens", "prefill_seconds", "decode_tokens", "decode_seconds", "forward_passes"):
+        for name in ("prompt_tokens", "prefill_seconds", "decode_tokens", "decode_seconds", "forward_passes",
+                     "build_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for key, value in other.extra.items():  # counters (drafted, accepted, ...) add up
             self.extra[key] = self.extra.get(key, 0) + value if isinstance(value, (int, float)) else value

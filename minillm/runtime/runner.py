@@ -14,9 +14,14 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
 
     cache   "static" (preallocated, lesson 06), "dynamic" (grows), "none" (recompute: the
             baseline the cache is measured against), or "paged" (a block pool, lesson 12)
-    graph   "eager" (the model's own forward) or "compiled" (fixed-shape graphs over a static
-            cache of a bucketed length, lesson 15: `minillm.speed.compile`); a model exported to
-            ONNX (`minillm.speed.onnx_model.OnnxModel`) is its own graphs: graph "onnx", set by itself
+    graph   "eager" (the model's own forward) or "compiled" (a fixed-shape decode graph over a static
+            cache of a bucketed length, lesson 15: `minillm.speed.compile`, kept on disk as an
+            AOTInductor package by `minillm.speed.graph_store` and loaded, or built once, when the
+            runner is made: before the first step, never inside the loop; prompts run eagerly over
+            the same cache, which measured faster than compiled chunks); a model exported to
+            ONNX (`minillm.speed.onnx_model.OnnxModel`) is its own graphs: graph "onnx", set by itself;
+            "auto": "compiled" when its graph is already on disk for this model and shape, else
+            "eager" (what the command line and the server run unless told)
 
 For contiguous caches the runner keeps its rows in the order of the sequences it was last
 given; a step over fewer sequences (some finished) drops the others' rows, so a strategy
@@ -29,13 +34,13 @@ from __future__ import annotations
 import torch
 
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
-from ..speed.compile import compile_model, context_bucket
+from ..speed.compile import compile_model, decode_graph_built, decode_shape
 from ..speed.onnx_model import OnnxModel, OnnxSession
 from .sequence import Sequence
 from .session import DecodeSession, Tree
 
 CACHES = ("static", "dynamic", "none", "paged")
-GRAPHS = ("eager", "compiled", "onnx")
+GRAPHS = ("eager", "compiled", "auto", "onnx")
 
 
 class ModelRunner:
@@ -49,14 +54,18 @@ class ModelRunner:
             raise ValueError(f"cache={cache!r} is invalid: use one of {', '.join(CACHES)}")
         if graph not in GRAPHS:
             raise ValueError(f"graph={graph!r} is invalid: use one of {', '.join(GRAPHS)}")
+        exported = isinstance(model, OnnxModel)
+        if graph == "auto":  # the compiled decode graph when one is already built for this run, else eager
+            graph = "compiled" if (cache == "static" and isinstance(model, torch.nn.Module)
+                                   and decode_graph_built(model, max_batch, max_len)) else "eager"
         if graph == "compiled" and cache != "static":
             raise ValueError(f"compiled graphs run over the static cache, not cache={cache!r}: use cache='static'")
-        exported = isinstance(model, OnnxModel)
         if graph == "onnx" and not exported or exported and (graph == "compiled" or cache != "static"):
             raise ValueError("an ONNX export runs its own graphs over its own static cache: load it with "
                              "OnnxModel(folder) and leave cache and compile at their defaults")
         self.model, self.cache_kind, self.graph = model, cache, "onnx" if exported else graph
         self.rows: list[Sequence] = []  # the sequences the contiguous cache holds, in row order
+        self.build_seconds = 0.0  # how long loading or building the compiled graphs took, before any step
         if exported:
             self.session = OnnxSession(model, max_len, max_batch)
             return
@@ -66,10 +75,11 @@ class ModelRunner:
             self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
             self.session = None
             return
-        context = model.config.context_length
-        if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already compiled
-            self.session = DecodeSession(compile_model(model), cache, context_bucket(max_len or context, context),
-                                         max_batch, fixed_shape=True)
+        if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already built
+            compiled = compile_model(model, kept=True)
+            shape = decode_shape(model, max_batch, max_len)
+            self.session = DecodeSession(compiled, cache, shape.cache_len, max_batch, fixed_shape=True)
+            self.build_seconds = compiled.prepare([shape])
         else:
             self.session = DecodeSession(model, cache, max_len, max_batch)
 

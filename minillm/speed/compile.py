@@ -46,11 +46,13 @@ import weakref
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..cache.kv_cache import StaticCache
 from ..model.attention import set_attention_backend
 from ..model.rope import RopeTable
 from .attention_kernels import make_backend
+from .graph_store import StepShape, graph_key, is_built, load_or_build
 from .onednn import use_plain_linear
 
 
@@ -153,10 +155,12 @@ class CompiledModel:
     `eager_calls`): the session's cache is the same either way.
     """
 
-    def __init__(self, model, chunk: int = 64, autotune: bool = True):
+    def __init__(self, model, chunk: int = 64, autotune: bool = True, kept: bool = False):
+        """kept: run the graphs as AOTInductor packages kept on disk (`minillm.speed.graph_store`), built
+        or loaded by `prepare` before the run; False: torch.compile them in this process as they are met."""
         if chunk < 1:
             raise ValueError(f"chunk={chunk}: the prefill chunk length must be >= 1")
-        self.model, self.chunk, self.config, self.autotune = model, chunk, model.config, autotune
+        self.model, self.chunk, self.config, self.autotune, self.kept = model, chunk, model.config, autotune, kept
         self.graphs = 0  # graphs compiled so far (a recompile adds one)
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
         self.eager_calls = 0
@@ -165,12 +169,38 @@ class CompiledModel:
         # Inductor fuses its mask, softmax and products with the cache write around it, where SDPA would
         # stay one opaque library call per layer.
         set_attention_backend(graph_model, make_backend("naive"))
+        self.step_module = CacheStep(graph_model).eval()
+        self.packages = {}  # StepShape -> PackagedStep, when kept
+        self.settings = {"autotune": autotune}  # what else, beside model and shape, changes a kept package
+        if kept:
+            return
         # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
         # hundreds of attribute checks, about a millisecond per decode step. This module is private to
         # the twin and its weights are frozen into the graph, so the checks on it are skipped.
-        self.step = torch.compile(CacheStep(graph_model).eval(), backend=self._backend, fullgraph=True,
-                                  dynamic=False,
+        self.step = torch.compile(self.step_module, backend=self._backend, fullgraph=True, dynamic=False,
                                   options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    def prepare(self, shapes, progress: bool = True) -> float:
+        """Load (or build, and keep) the packages for these `StepShape`s before the run; the seconds it took.
+
+        Building is the slow part (about a minute per graph for the default model on two cores, once
+        per machine); loading a kept package takes a second or two.
+        """
+        if not self.kept:
+            raise ValueError("prepare() loads kept packages: create the CompiledModel with kept=True")
+        needed = [s for s in shapes if s not in self.packages]
+        start = time.perf_counter()
+        with tqdm(total=len(needed), desc="compiled graphs", unit="graph", disable=not progress or not needed,
+                  leave=False) as bar:
+            for shape in needed:
+                key = graph_key(self.model, shape, self.settings)
+                self.packages[shape] = load_or_build(self.step_module, shape, key,
+                                                     lambda: inductor_settings(self.autotune, self.device),
+                                                     progress=bar.set_postfix_str)
+                bar.update()
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        return seconds
 
     @property
     def device(self):
@@ -191,13 +221,21 @@ class CompiledModel:
         return compile_fx(graph_module, example_inputs)
 
     def _timed(self, *args):
-        """Run the compiled step; a call that compiled a graph adds its wall time to `compile_seconds`."""
+        """Run the step; in this process's torch.compile mode, a call that compiled a graph adds its wall time
+        to `compile_seconds`. args: `CacheStep.forward`'s."""
+        if self.kept:
+            return self.packages[self.shape_of(*args)](*args)
         graphs, start = self.graphs, time.perf_counter()
         with inductor_settings(self.autotune, self.device):  # set while the step runs: a graph compiles on its first call
             out = self.step(*args)
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - start
         return out
+
+    @staticmethod
+    def shape_of(tokens, positions, columns, mask, logits_at, keys, values):
+        B, T, S = mask.shape
+        return StepShape(B, T, S, T if logits_at is None else logits_at.shape[1])
 
     def __call__(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
         """The model's forward (see `Transformer.forward`); `packed` batches are not supported."""
@@ -215,17 +253,19 @@ class CompiledModel:
         columns = starts + torch.arange(T, device=tokens.device)  # [B, T]: row b's token at its length + t
         if mask is None:  # causal: a token sees the columns up to its own
             mask = torch.arange(cache.max_len, device=tokens.device) <= columns[:, :, None]  # [B, T, S]
+        step = spare_rows_fed(cache.k.shape[1], tokens, positions, columns, mask)  # each [rows, T, ...]
         # One tensor per layer, not the [n_layer, ...] storage they are views of: written through a view of
         # one big input, the compiled graph would copy every layer's keys out and back each step.
-        keys, values = [k[:B] for k in cache.k_layers], [v[:B] for v in cache.v_layers]
-        if T == 1:
-            logits = self._timed(tokens, positions, columns, mask, None, keys, values)
+        keys, values = cache.k_layers, cache.v_layers
+        if T == 1 and (not self.kept or self.shape_of(*step, None, keys, values) in self.packages):
+            logits = self._timed(*step, None, keys, values)[:B]
         else:
-            logits = self._chunked(tokens, positions, columns, mask, last_only, logits_at, keys, values, cache)
+            logits = self._chunked(*step, last_only, logits_at, keys, values, cache)
             if logits is None:
                 self.eager_calls += 1
                 return self.model(tokens, positions, cache=cache, mask=mask, last_only=last_only,
                                   logits_at=logits_at)
+            logits = logits[:B]
         cache.lengths, cache.batch = [n + T for n in lengths], B
         return logits
 
@@ -242,18 +282,21 @@ class CompiledModel:
         pad = n_chunks * C - T
         if int(columns[:, -1].max()) + 1 + pad > cache.max_len:
             return None
+        if last_only:
+            wanted = torch.full((B, 1), T - 1, device=tokens.device)
+        elif logits_at is not None:
+            wanted = logits_at[:, None] if logits_at.dim() == 1 else logits_at  # [B, K]
+            wanted = torch.cat((wanted, wanted[-1:].expand(B - len(wanted), -1)))  # the spare rows' too
+        else:
+            wanted = None  # every position: logits for each whole chunk
+        if self.kept and StepShape(B, C, cache.max_len, C if wanted is None else wanted.shape[1]) not in self.packages:
+            return None  # no graph was built for this shape: the eager forward over the same cache
         if pad:
             ahead = torch.arange(1, pad + 1, device=tokens.device)
             tokens = torch.cat((tokens, tokens[:, -1:].expand(B, pad)), dim=1)
             positions = torch.cat((positions, (positions[:, -1:] + ahead).clamp(max=self.config.context_length - 1)), 1)
             columns = torch.cat((columns, columns[:, -1:] + ahead), dim=1)
             mask = torch.cat((mask, mask[:, -1:].expand(B, pad, mask.shape[-1])), dim=1)
-        if last_only:
-            wanted = torch.full((B, 1), T - 1, device=tokens.device)
-        elif logits_at is not None:
-            wanted = logits_at[:, None] if logits_at.dim() == 1 else logits_at  # [B, K]
-        else:
-            wanted = None  # every position: logits for each whole chunk
         pieces = []
         for start in range(0, n_chunks * C, C):
             part = [t[:, start : start + C].clone(memory_format=torch.contiguous_format)
@@ -265,6 +308,25 @@ class CompiledModel:
             return torch.cat(pieces, dim=1)[:, :T]
         rows = torch.arange(B, device=tokens.device)[:, None]
         return torch.stack(pieces)[wanted // C, rows, torch.arange(wanted.shape[1], device=tokens.device)]
+
+
+def spare_rows_fed(rows: int, tokens, positions, columns, mask):
+    """The step's inputs for every row the cache holds: rows past the B in use (finished sequences' rows)
+    are fed token 0 at column 0, where they see only that column.
+
+    A graph's batch is fixed: running the cache's every row keeps one graph for the whole run
+    while sequences finish and leave. The spare rows' writes land in rows nobody reads.
+    tokens, positions, columns [B, T], mask [B, T, S] -> each with `rows` rows.
+    """
+    B, T = tokens.shape
+    if rows == B:
+        return tokens, positions, columns, mask
+    spare = rows - B
+    zeros = tokens.new_zeros(spare, T)
+    first_column = torch.zeros(spare, T, mask.shape[-1], dtype=torch.bool, device=mask.device)
+    first_column[:, :, 0] = True
+    return (torch.cat((tokens, zeros)), torch.cat((positions, zeros)), torch.cat((columns, zeros)),
+            torch.cat((mask, first_column)))
 
 
 @contextlib.contextmanager
@@ -305,6 +367,17 @@ def inductor_settings(autotune: bool, device):
         yield
 
 
+def decode_shape(model, batch: int, max_len: int | None):
+    """The decode graph's `StepShape` for `batch` rows of up to `max_len` tokens (None: the whole context)."""
+    context = model.config.context_length
+    return StepShape(batch, 1, context_bucket(max_len or context, context), 1)
+
+
+def decode_graph_built(model, batch: int, max_len: int | None, autotune: bool = True) -> bool:
+    """Whether the kept decode graph for this model, batch and length is on disk, ready to load."""
+    return is_built(model, decode_shape(model, batch, max_len), {"autotune": autotune})
+
+
 SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
 
 
@@ -318,19 +391,21 @@ def context_bucket(tokens: int, context_length: int) -> int:
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compile_model(model, chunk: int = 64, autotune: bool = True) -> CompiledModel:
+def compile_model(model, chunk: int = 64, autotune: bool = True, kept: bool = False) -> CompiledModel:
     """The model's compiled twin, made once per model and settings (compiled graphs are kept with it).
 
     autotune: let Inductor time generated matmul kernels against the library's and keep the
-    fastest (`inductor_settings`): slower to compile, faster to run.
+    fastest (`inductor_settings`): slower to compile, faster to run. kept: its graphs are
+    AOTInductor packages on disk (`minillm.speed.graph_store`), built once per machine and loaded
+    by `CompiledModel.prepare`; False: compiled in this process by torch.compile when first met.
     """
     if isinstance(model, CompiledModel):
         return model
     per_model = _COMPILED.setdefault(model, {})
-    if (chunk, autotune) not in per_model:
-        per_model[chunk, autotune] = CompiledModel(model, chunk, autotune)
-    return per_model[chunk, autotune]
+    if (chunk, autotune, kept) not in per_model:
+        per_model[chunk, autotune, kept] = CompiledModel(model, chunk, autotune, kept)
+    return per_model[chunk, autotune, kept]
 
 
-__all__ = ["CompiledModel", "ColumnWrites", "FixedRope", "compile_model", "context_bucket", "graph_forward",
-           "graph_ready_copy"]
+__all__ = ["CompiledModel", "ColumnWrites", "FixedRope", "compile_model", "context_bucket", "decode_graph_built",
+           "decode_shape", "graph_forward", "graph_ready_copy", "spare_rows_fed"]

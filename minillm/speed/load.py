@@ -6,17 +6,32 @@ import torch
 
 from ..model.loading import read_model
 from .onednn import use_onednn
+from .quant_gguf import apply_quantization
 
 
 def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float32", device: str = "cpu",
-               fast: bool = True):
+               fast: bool = True, quant: str = "none"):
     """Return (model, tokenizer) ready for inference (eval mode, no grad needed).
 
     name_or_path: "default" (SmolLM2-135M-Instruct), "gemma3-270m", a local Hugging Face folder or GGUF
     file, or a hub name. fast: apply the hardware fast paths as module swaps after loading (today:
     oneDNN float32 matmuls on a CPU, `minillm.speed.onednn`); False keeps the plain from-scratch model.
+    quant: "none", or a quantization the command line offers (`apply_quantization`), swapped in after
+    loading; refused before anything loads on a device its kernels do not run on.
     """
+    if quant != "none" and device_kind(device) not in ("cpu", None):
+        raise ValueError(f"--quant {quant} runs CPU kernels (lesson 14), not on {device}: drop --device, or --quant")
     model, tokenizer = read_model(name_or_path, dtype, device)
     if fast and model.device.type == "cpu" and model.dtype == torch.float32:
         use_onednn(model)
+    if quant != "none":
+        apply_quantization(model, quant, name_or_path)
     return model, tokenizer
+
+
+def device_kind(device: str) -> str | None:
+    """'cpu', 'cuda', ... for a device name; None for a name torch does not know (`read_model` reports it)."""
+    try:
+        return torch.device(device).type
+    except RuntimeError:
+        return None

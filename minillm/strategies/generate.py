@@ -54,7 +54,7 @@ class Generation:
     """
 
     def __init__(self, model, prompts, config=None, *, tokenizer=None, cache: str = "static",
-                 window_slide: int = 1, compile: bool = False, **config_overrides):
+                 window_slide: int = 1, compile: bool | None = None, **config_overrides):
         if window_slide < 1:
             raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
         self.model, self.tokenizer, self.window_slide = model, tokenizer, window_slide
@@ -64,10 +64,15 @@ class Generation:
         if any(c.stop for c in configs) and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
         longest = max(len(p) + c.max_new_tokens for p, c in zip(prompt_ids, configs))
-        self.runner = ModelRunner(model, cache=cache, graph="compiled" if compile else "eager", max_len=longest)
+        # Compiled, making the runner loads (or builds, once) the decode graph: its own phase, before the
+        # clock of the first token starts.
+        graph = {None: "auto", True: "compiled", False: "eager"}[compile]
+        self.runner = ModelRunner(model, cache=cache, graph=graph, max_len=longest,
+                                  max_batch=len(prompt_ids))
         self.seqs = [Sequence.create(ids, c, tokenizer=tokenizer, vocab_size=model.config.vocab_size,
                                      device=model.device, id=row) for row, (ids, c) in enumerate(zip(prompt_ids, configs))]
-        self.stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)))
+        self.stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)), build_seconds=self.runner.build_seconds,
+                                     extra={"graph": self.runner.graph})
         self.output: GenerationOutput | None = None
         self.started = False
 
@@ -110,7 +115,7 @@ class Generation:
 
 def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | None = None, *, tokenizer=None,
              cache: str = "static", streamer=None, window_slide: int = 1, stream: bool = False,
-             compile: bool = False, **config_overrides):
+             compile: bool | None = None, **config_overrides):
     """Generate a continuation for each prompt.
 
     prompts: a string, a list (or 1-D tensor) of token ids, or a list of either (a batch).
@@ -122,8 +127,10 @@ def generate(model, prompts, config: SamplingConfig | list[SamplingConfig] | Non
     streamer: an object with `put(row, text)` and `end()` that receives final text as it forms.
     window_slide: how far the context window moves when a row outgrows `context_length`.
     stream: return the `Generation` to iterate over its events instead of running it.
-    compile: run the model as compiled graphs over a fixed-shape static cache (lesson 15,
-        `minillm.speed.compile`); the first call compiles (slow), later ones reuse the graphs.
+    compile: True decodes through a compiled graph over a fixed-shape static cache (lesson 15,
+        `minillm.speed.compile`) kept on disk: the first call on a machine builds it (a minute or
+        more), later calls and processes load it in seconds (`stats.build_seconds`). None (the
+        default) uses that graph when it is already built, else runs eagerly; False: always eager.
 
     Returns a GenerationOutput (or, with stream=True, the Generation).
     """

@@ -1,0 +1,79 @@
+"""`python -m minillm.compile`: build the compiled decode graphs ahead of time, so every later run loads them.
+
+The graphs are AOTInductor packages kept under $MINILLM_HOME (`minillm.speed.graph_store`),
+one per model, quantization, batch size and cache-length bucket. `python -m minillm.infer`,
+`generate` and the server use one whenever it is already built for their run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
+
+EPILOG = """examples:
+  python -m minillm.compile                                # the default model, batch 1, runs of up to 256 tokens
+  python -m minillm.compile --quant gguf                   # the same, on the GGUF's own 4-bit blocks
+  python -m minillm.compile --batch-size 1 --batch-size 8 --length 256 --length 1024
+  python -m minillm.compile --list                          # what is built, and how big
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m minillm.compile", description="Build the compiled decode graph of a model "
+                      "(lesson 15) and keep it on disk: about a minute and a half per graph on two cores, once; "
+                      "later runs of python -m minillm.infer, generate() and the server load it in seconds.",
+                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p, model_help="the model, as for python -m minillm.infer (default: SmolLM2-135M-Instruct)",
+                    dtype_help="weights and compute precision: float32 (default), bfloat16 or float16")
+    add_quant_flag(p)
+    p.add_argument("--batch-size", type=int, action="append", metavar="N",
+                   help="rows decoded together (repeatable; default 1: one prompt, as the CLI runs it)")
+    p.add_argument("--length", type=int, action="append", metavar="N",
+                   help="the most tokens a row holds, prompt plus generated (repeatable; default 256); rounded up "
+                        "to the cache-length bucket (a power of two from 256, capped at the model's context), so "
+                        "one graph serves every run up to its bucket")
+    p.add_argument("--list", action="store_true", help="list the graphs built so far, and exit")
+    return p
+
+
+def list_graphs() -> int:
+    from .base.files import minillm_home
+    from .speed.graph_store import PACKAGE, entry_problem
+
+    folders = sorted((minillm_home() / "graphs").glob("*/"))
+    for folder in folders:
+        package = folder / PACKAGE
+        size = f"{package.stat().st_size / 1e6:.0f} MB" if package.exists() else "-"
+        print(f"{folder.name}  {size}  {entry_problem(folder) or 'ok'}")
+    print(f"{len(folders)} graph(s) in {minillm_home() / 'graphs'}")
+    return 0
+
+
+def run(args) -> int:
+    if args.list:
+        return list_graphs()
+    batches, lengths = args.batch_size or [1], args.length or [256]
+    for flag, values in (("--batch-size", batches), ("--length", lengths)):
+        if min(values) < 1:
+            raise ValueError(f"{flag} {min(values)} is invalid: must be >= 1")
+    from .speed.compile import compile_model, decode_shape
+    from .speed.load import load_model
+
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    shapes = sorted({decode_shape(model, b, n) for b in batches for n in lengths}, key=lambda s: (s.batch, s.cache_len))
+    compiled = compile_model(model, kept=True)
+    for shape in shapes:
+        seconds = compiled.prepare([shape])
+        folder = compiled.packages[shape].folder
+        print(f"{shape.name}: ready in {seconds:.1f} s ({folder})")
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Compiled graphs kept on disk: each fixed-shape step built once as an AOTInductor package, loaded in seconds.
+
+`torch.compile` (`minillm.speed.compile`) builds its graphs inside the process that runs
+them: every new process traces, lowers, autotunes and compiles C++ again, a minute or more
+for the default model on two cores, before its first decode step. What that work produces
+depends only on the model, the shapes and the machine, so it can be kept. Three ways were
+measured (lesson 15 tells the numbers):
+
+    torch.compile's own caches      the next process still traces the model with Dynamo and
+                                    re-runs freezing; frozen graphs bypass parts of the cache
+    ONNX Runtime's saved graphs     loads fast, but its matmuls are the library's, not kernels
+                                    generated for each weight's shape: eager speed, no better
+    AOTInductor packages (kept)     `torch.export` gives one graph, `aoti_compile_and_package`
+                                    turns it into a shared library plus its constants (the
+                                    weights, prepacked for the generated matmul kernels); a
+                                    later process loads the `.pt2` and calls it: no tracing,
+                                    no compiling, no Python between the kernels
+
+One package per step shape (`StepShape`): the batch, the tokens it feeds (1 to decode, a
+chunk to prefill or verify), the cache length, and how many positions get logits. Each is
+an entry of the cache under $MINILLM_HOME (`minillm.base.files`) keyed by everything that
+changes the code it holds (`graph_key`): the weights' digest, the model's config and dtype,
+the shape, the compiler settings, the source of the modules the forward runs, the torch
+version and the CPU's instruction set. An entry is built under a temporary name and renamed
+into place, with a manifest of its files checked before every load: a damaged or partly
+written package is rebuilt, never loaded. Two processes that need the same package take
+turns (the cache's lock): the second finds it built.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..base.files import cache_lock, minillm_home, one_line, remove, replace_folder, temporary_path, verify_requested
+from ..base.jsonio import write_json
+from ..base.manifest import file_record, files_problem, read_manifest, refresh_manifest, write_manifest
+
+PACKAGE = "step.pt2"
+KEY_FILE = "key.json"
+# The source folders of everything a step's forward runs (the model, its cache, the speed swaps):
+# an edit to any of them changes the generated code, so it changes every key.
+SOURCE_FOLDERS = ("model", "cache", "speed")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The fixed shapes of one compiled step.
+
+    batch: rows; tokens: T fed per row (1 to decode, the chunk length to prefill or verify);
+    cache_len: S, the cache columns every step sees; logits: K positions per row that get
+    logits (1: the prompt's last; T: every fed token, as decode and verify need).
+    """
+
+    batch: int
+    tokens: int
+    cache_len: int
+    logits: int
+
+    @property
+    def name(self) -> str:
+        kind = "decode" if self.tokens == 1 else "prefill" if self.logits == 1 else "verify"
+        return f"{kind}-b{self.batch}-t{self.tokens}-s{self.cache_len}"
+
+    def example_inputs(self, config, dtype: torch.dtype, device) -> tuple:
+        """Inputs of `CacheStep.forward` with these shapes (their values only need to be valid)."""
+        B, T, S = self.batch, self.tokens, self.cache_len
+        tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+        columns = torch.arange(T, device=device).expand(B, T).contiguous()  # [B, T]
+        mask = torch.arange(S, device=device) <= columns[:, :, None]  # [B, T, S]
+        logits_at = None if self.logits == T else torch.full((B, self.logits), T - 1, device=device)
+        shape = (B, config.kv_heads, S, config.head_size)  # one layer's keys (or values)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        return tokens, columns.clone(), columns, mask, logits_at, keys, values
+
+
+class PackagedStep:
+    """A loaded package: call it with the step's tensors in `CacheStep.forward`'s order, logits [B, K, V] back.
+
+    The loader's own call re-reads the package's input spec and flattens the arguments
+    with pytree on every call; this passes the flat tensor list straight to the library.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.loader = torch._inductor.aoti_load_package(str(folder / PACKAGE)).loader
+
+    def __call__(self, tokens, positions, columns, mask, logits_at, keys, values) -> torch.Tensor:
+        flat = [tokens, positions, columns, mask, *([] if logits_at is None else [logits_at]), *keys, *values]
+        return self.loader.boxed_run(flat)[0]
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 over every parameter's and buffer's name, dtype, shape and bytes (about 0.4 s per 500 MB).
+
+    Kept on the module with a signature of its tensors (each one's name, storage and version
+    counter, which every in-place write bumps): asked again, it hashes again only if a tensor
+    was replaced (a quantization swap) or written to.
+    """
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    signature = tuple((name, t.data_ptr(), t._version) for name, t in sorted(tensors.items()))
+    kept = module.__dict__.get("_weights_sha256")
+    if kept and kept[0] == signature:
+        return kept[1]
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        if t.numel():
+            digest.update(t.contiguous().cpu().view(-1).view(torch.uint8).numpy().data)
+    module.__dict__["_weights_sha256"] = (signature, digest.hexdigest())
+    return digest.hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of the package source the traced forward comes from (`SOURCE_FOLDERS`), once per process."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(p for folder in SOURCE_FOLDERS for p in (root / folder).rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def machine_code() -> dict:
+    """What the generated C++ is compiled for: torch's build, its CPU instruction set, the CPU's flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        flags = platform.processor()
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16],
+            "python": platform.python_version()}
+
+
+def graph_key(model, shape: StepShape, settings: dict) -> dict:
+    """Everything that changes a package's code or constants, as a readable dict (hashed for the folder name).
+
+    model: the model the graph is made from (its weights, config, dtype and device).
+    """
+    return {"weights_sha256": weights_digest(model), "config": asdict(model.config), "dtype": str(model.dtype),
+            "device": str(model.device), "shape": asdict(shape), "settings": settings,
+            "source_sha256": source_digest(), **machine_code()}
+
+
+def is_built(model, shape: StepShape, settings: dict) -> bool:
+    """Whether an intact package for this model, shape and settings is on disk (nothing is built or loaded)."""
+    return entry_problem(entry_folder(graph_key(model, shape, settings), shape)) is None
+
+
+def entry_folder(key: dict, shape: StepShape) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return minillm_home() / "graphs" / f"{shape.name}-{digest}"
+
+
+def entry_problem(folder: Path) -> str | None:
+    """Why a package entry cannot be loaded as it is, or None (stat checks; hashes when MINILLM_VERIFY=1)."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return "missing" if not folder.exists() else "its manifest is missing or damaged"
+    thorough = verify_requested()
+    problem = files_problem(folder, manifest, thorough)
+    if problem and not thorough:  # a changed stat: settle it by hashing
+        problem = files_problem(folder, manifest, thorough=True)
+        if problem is None:
+            refresh_manifest(folder)
+    return problem
+
+
+def load_or_build(step_module, shape: StepShape, key: dict, build_settings, progress=None) -> PackagedStep:
+    """The package for `shape`: loaded when its entry is intact, built (and kept) when it is missing or damaged.
+
+    step_module: the `CacheStep` to export; build_settings: a context manager factory setting the
+    compiler's options while it builds; progress: called with a short status line.
+    """
+    folder = entry_folder(key, shape)
+    problem = entry_problem(folder)
+    if problem is None:
+        try:
+            return PackagedStep(folder)
+        except Exception as e:  # a package that passes its manifest but will not load: built by another torch
+            problem = f"it does not load ({one_line(e)})"
+    with cache_lock():
+        if entry_problem(folder) is None:  # another process built it while we waited
+            return PackagedStep(folder)
+        if problem != "missing":
+            print(f"minillm: compiled graph {folder.name} is unusable ({problem}): rebuilding it", file=sys.stderr)
+        build_entry(step_module, shape, key, folder, build_settings, progress)
+    return PackagedStep(folder)
+
+
+def build_entry(step_module, shape: StepShape, key: dict, folder: Path, build_settings, progress=None) -> None:
+    """Export the step at `shape`, compile it to a package in a temporary folder, record it, rename it into place."""
+    from torch._inductor import config
+
+    built = temporary_path(folder)
+    built.mkdir(parents=True)
+    try:
+        model = step_module.model
+        inputs = shape.example_inputs(model.config, model.dtype, model.device)
+        start = time.perf_counter()
+        if progress:
+            progress(f"{shape.name}: tracing")
+        with torch.no_grad():
+            program = torch.export.export(step_module, inputs, strict=False)
+        if progress:
+            progress(f"{shape.name}: compiling")
+        # The weights go into one file beside the library, not into the library's data section.
+        with build_settings(), config.patch({"aot_inductor.package_constants_in_so": False,
+                                             "aot_inductor.package_constants_on_disk_format": "binary_blob"}):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(built / PACKAGE))
+        write_json(built / KEY_FILE, {**key, "build_seconds": round(time.perf_counter() - start, 1)})
+        write_manifest(built, file_record(built / KEY_FILE))
+        replace_folder(built, folder)
+    finally:
+        remove(built)
+
+
+__all__ = ["PackagedStep", "StepShape", "entry_folder", "entry_problem", "graph_key", "is_built", "load_or_build",
+           "machine_code", "source_digest", "weights_digest"]

@@ -1,0 +1,161 @@
+"""Lesson 15: compiled decode graphs kept on disk as AOTInductor packages, built once and loaded by later runs.
+
+References: the eager model's greedy tokens (a kept graph decodes the same tokens in
+float32); the package cache's own rules (a damaged package is rebuilt, never loaded; two
+processes building one graph at once both finish, one of them building it); the key
+(weights, shape and settings each change it; an identical copy of the model does not).
+Every build here is real: a tiny model's graph takes 10-40 s to build on two cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.runner import ModelRunner
+from minillm.speed import graph_store
+from minillm.speed.compile import compile_model, decode_shape
+from minillm.strategies.generate import generate
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def kept_home(tmp_path_factory):
+    """A fresh $MINILLM_HOME for this module's packages."""
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINILLM_HOME", str(home))
+        yield home
+
+
+@pytest.fixture(scope="module")
+def built(kept_home):
+    """A tiny Llama whose decode graph for two rows of up to 256 tokens was built by `generate(compile=True)`."""
+    _, model = tiny_pair("llama", context_length=256)
+    eager = generate(model, PROMPTS, max_new_tokens=12, compile=False)
+    compiled = generate(model, PROMPTS, max_new_tokens=12, compile=True)
+    return model, eager, compiled
+
+
+@pytest.mark.slow
+def test_compile_true_builds_a_graph_that_decodes_the_eager_tokens(built, kept_home):
+    model, eager, compiled = built
+    assert compiled.stats.extra["graph"] == "compiled" and eager.stats.extra["graph"] == "eager"
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats.build_seconds > 0
+    (entry,) = (kept_home / "graphs").iterdir()
+    assert entry.name.startswith("decode-b2-t1-s256-")
+    key = json.loads((entry / graph_store.KEY_FILE).read_text())
+    assert key["weights_sha256"] == graph_store.weights_digest(model) and key["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_the_default_uses_a_built_graph_and_only_then(built):
+    model, eager, _ = built
+    again = generate(model, PROMPTS, max_new_tokens=12)  # compile=None: the graph if it is built
+    assert again.stats.extra["graph"] == "compiled" and again.token_ids == eager.token_ids
+    one_row = generate(model, PROMPTS[:1], max_new_tokens=12)  # no graph for one row was built
+    assert one_row.stats.extra["graph"] == "eager"
+    assert ModelRunner(model, cache="dynamic", graph="auto").graph == "eager"
+
+
+@pytest.mark.slow
+def test_a_damaged_package_is_rebuilt_not_loaded(built, kept_home, monkeypatch, capsys):
+    model = built[0]
+    compiled = compile_model(model, kept=True)
+    shape = decode_shape(model, 2, 256)
+    (entry,) = (kept_home / "graphs").iterdir()
+    package = entry / graph_store.PACKAGE
+    good = package.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    package.write_bytes(bytes(data))
+    assert "does not match its recorded sha256" in graph_store.entry_problem(entry)
+
+    rebuilt = []
+
+    def build_entry(step_module, shape, key, folder, settings, progress=None):  # the real build, minus the wait
+        rebuilt.append(shape)
+        package.write_bytes(good)
+        graph_store.write_manifest(folder, graph_store.file_record(folder / graph_store.KEY_FILE))
+
+    monkeypatch.setattr(graph_store, "build_entry", build_entry)
+    compiled.packages.clear()
+    compiled.prepare([shape], progress=False)
+    assert rebuilt == [shape] and "unusable" in capsys.readouterr().err
+    assert graph_store.entry_problem(entry) is None
+    (entry / "manifest.json").write_text("{")  # a manifest cut short: the entry is not trusted
+    assert "manifest" in graph_store.entry_problem(entry)
+
+
+def test_the_key_follows_weights_shape_and_settings():
+    _, model = tiny_pair("llama", context_length=256)
+    shape = decode_shape(model, 1, 100)
+    key = graph_store.graph_key(model, shape, {"autotune": True})
+    assert graph_store.graph_key(copy.deepcopy(model), shape, {"autotune": True}) == key  # same weights, same key
+    assert graph_store.graph_key(model, decode_shape(model, 2, 100), {"autotune": True}) != key
+    assert graph_store.graph_key(model, shape, {"autotune": False}) != key
+    with torch.no_grad():
+        model.blocks[0].mlp.fc.weight[0, 0] += 1  # an in-place write bumps the tensor's version: hashed again
+    assert graph_store.graph_key(model, shape, {"autotune": True})["weights_sha256"] != key["weights_sha256"]
+
+
+BUILDER = """
+import json, sys, torch
+from minillm.model.tiny import tiny_pair
+from minillm.runtime.session import DecodeSession
+from minillm.speed.compile import compile_model, decode_shape
+_, model = tiny_pair("llama", context_length=256)
+compiled = compile_model(model, autotune=False, kept=True)
+seconds = compiled.prepare([decode_shape(model, 1, 256)], progress=False)
+session = DecodeSession(compiled, "static", max_len=256, fixed_shape=True)
+with torch.inference_mode():
+    logits, tokens = session.prefill([[5, 6, 7]]), []
+    for _ in range(8):
+        tokens.append(int(logits[0].argmax()))
+        logits = session.extend([[tokens[-1]]])[:, -1]
+print(json.dumps({"tokens": tokens, "seconds": seconds, "eager_calls": compiled.eager_calls}))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_building_one_graph_both_succeed(tmp_path):
+    env = {**os.environ, "MINILLM_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+    runs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(BUILDER)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [json.loads(run.communicate(timeout=600)[0].strip().splitlines()[-1]) for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    _, model = tiny_pair("llama", context_length=256)
+    with torch.inference_mode():
+        from minillm.runtime.session import DecodeSession
+
+        session, tokens = DecodeSession(model, "static", max_len=256), []
+        logits = session.prefill([[5, 6, 7]])
+        for _ in range(8):
+            tokens.append(int(logits[0].argmax()))
+            logits = session.extend([[tokens[-1]]])[:, -1]
+    assert [r["tokens"] for r in results] == [tokens, tokens] and all(r["eager_calls"] == 1 for r in results)  # the prompt
+    assert len(list((tmp_path / "home" / "graphs").iterdir())) == 1  # one entry, no leftovers
+
+
+def test_the_command_lines_explain_and_check_the_graph_flags(capsys):
+    from minillm.compile import main as compile_main
+    from minillm.infer import main as infer_main
+
+    infer_help = subprocess.run([sys.executable, "-m", "minillm.infer", "--help"], capture_output=True, text=True,
+                                timeout=120, cwd=REPO).stdout
+    assert "--eager" in infer_help and "python -m minillm.compile" in infer_help
+    assert infer_main(["--prompt", "hi", "--compile", "--eager"]) == 2
+    assert compile_main(["--batch-size", "0"]) == 2
+    assert "--batch-size 0 is invalid" in capsys.readouterr().err
