@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .base.commands import OneLineParser, add_model_flags, run_command
+from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
 from .serving.launch import bind, build_server
 
 EPILOG = """examples:
   python -m minillm.serve                                  # the default model on http://127.0.0.1:8000/v1
   python -m minillm.serve --port 8001 --max-num-seqs 32 --kv-cache-mb 512
   python -m minillm.serve --model ./my-llama-folder --served-model-name my-llama
+  python -m minillm.serve --quant gguf                     # the GGUF's own 4-bit blocks (lesson 14)
 
 then, from any OpenAI client:
   from openai import OpenAI
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p, model_help="the model to serve: 'default' (SmolLM2-135M-Instruct), another name "
                     "`python -m minillm.infer` accepts, or a local folder or GGUF file",
                     dtype_help="weights and activations: float32 (default), bfloat16, float16")
+    add_quant_flag(p)
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the name clients put in the request's 'model' field (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1",
@@ -85,7 +87,7 @@ def run(args) -> int:
 
     check_args(args)
     sock = bind(args.host, args.port)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     name = args.served_model_name or args.model
     runner, app, max_model_len = build_server(
         model, tokenizer, model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,

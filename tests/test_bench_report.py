@@ -16,11 +16,11 @@ import re
 import pytest
 
 from minillm.base.jsonio import dumps, read_json, write_json
-from minillm.bench import batch, cache_scaling, decode, lookahead, report, speculative
+from minillm.bench import batch, cache_scaling, decode, lookahead, processes, report, speculative
 from minillm.bench.cli import OPTION_COMMANDS, README, RESULTS, build_parser, git_stamp, write_results
 
 PLOTS = {"decode": decode.plot, "cache-scaling": cache_scaling.plot, "batch": batch.plot,
-         "speculative": speculative.plot, "lookahead": lookahead.plot}
+         "speculative": speculative.plot, "lookahead": lookahead.plot, "cli": processes.plot}
 
 
 def strict_loads(text: str):
@@ -162,8 +162,23 @@ def lookahead_result() -> dict:
                    branch_length=8, tasks={"grounded": task, "open-ended": task})
 
 
+def cli_result() -> dict:
+    def process(rate, path, first=1.0, seconds=8.0):
+        return {"seconds": seconds, "seconds_per_repeat": around(seconds), "first_text_seconds": first,
+                "decode_tokens_per_second": rate, "decode_tokens_per_second_per_repeat": around(rate),
+                "decode_tokens": 127, "path": path, "text": "She opened it."}
+
+    contenders = {"minillm eager": process(30.0, "eager"), "minillm compiled": process(60.0, "compiled"),
+                  "minillm gguf eager": process(50.0, "eager"), "minillm gguf compiled": process(110.0, "compiled"),
+                  "llama.cpp F32": process(50.0, None), "llama.cpp Q4_1": process(100.0, None)}
+    for name in ("minillm compiled", "minillm gguf compiled"):
+        contenders[name]["same_text_as_eager"] = True
+    return stamped("cli", quick=False, prompt="The lighthouse keeper had not spoken to anyone", new_tokens=128,
+                   threads=2, llama_cpp=None, first_build_seconds={"none": 80.0, "gguf": 70.0}, contenders=contenders)
+
+
 SYNTHETIC = {"decode": decode_result, "cache-scaling": cache_scaling_result, "batch": batch_result,
-             "speculative": speculative_result, "lookahead": lookahead_result}
+             "speculative": speculative_result, "lookahead": lookahead_result, "cli": cli_result}
 
 
 @pytest.fixture
@@ -190,6 +205,13 @@ def test_report_quotes_the_json_and_changes_with_it(results_dir):
     second = report.regenerate(TEMPLATE, results_dir, results_dir)
     assert "| FP32 | 51.2 | 20.0 | **2.56x** |" in second
     assert "44.0" not in generated(second)
+
+
+def test_cli_report_sets_each_process_against_its_llama_cpp_format(results_dir):
+    section = report.regenerate(TEMPLATE, results_dir, results_dir)
+    assert "| minillm compiled | compiled | 1.00 | 8.00 | 60.0 (54.0-72.0) | 1.20x |" in section
+    assert "| minillm gguf compiled | compiled | 1.00 | 8.00 | 110.0 (99.0-132.0) | 1.10x |" in section
+    assert "float32 80 s, gguf 70 s" in section
 
 
 def test_lookahead_report_quotes_speedups_forwards_and_the_best_setting(results_dir):

@@ -174,3 +174,14 @@ def test_leaving_a_stream_early_then_exiting_is_clean():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "left"
     assert "terminate called" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_and_compile_refuse_quantization_off_the_cpu_before_loading(capsys):
+    """Every command that loads a model says which quantizations run where, in one line, before any weight moves."""
+    from minillm.compile import main as compile_main
+    from minillm.serve import main as serve_main
+
+    assert serve_main(["--port", "0", "--quant", "int8", "--device", "cuda"]) == 2
+    assert compile_main(["--quant", "gguf", "--device", "cuda:0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all("runs CPU kernels (lesson 14), not on cuda" in line for line in lines), lines

@@ -66,7 +66,7 @@ def _minillm_contender(model, prompts, new_tokens, device, record):
     def run():
         synchronize(device)
         t = time.perf_counter()
-        out = generate(model, prompts, max_new_tokens=new_tokens)  # ids, no tokenizer: no EOS
+        out = generate(model, prompts, max_new_tokens=new_tokens, compile=False)  # ids, no tokenizer: no EOS
         synchronize(device)
         total = time.perf_counter() - t
         record.append((total, out.stats.prefill_seconds, out.token_ids))

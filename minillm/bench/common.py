@@ -29,6 +29,7 @@ SUITES = {
     "compile": "minillm.bench.compile",
     "quant": "minillm.bench.quant",
     "regression": "minillm.bench.regression",
+    "cli": "minillm.bench.processes",
 }
 REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS = REPO / "results"

@@ -60,7 +60,8 @@ class TokenClock:
 
 def _minillm(model, prompt, new_tokens, cache, device, record):
     def run():
-        out = generate(model, [prompt], cache=cache, max_new_tokens=new_tokens)  # ids, no tokenizer: no EOS
+        # ids, no tokenizer: no EOS; eager, the model op by op, as lesson 06 measures its caches
+        out = generate(model, [prompt], cache=cache, max_new_tokens=new_tokens, compile=False)
         synchronize(device)
         record.append(out.token_ids[0])
         return out.stats.decode_seconds

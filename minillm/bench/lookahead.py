@@ -108,7 +108,7 @@ TASKS = {
 
 def warm_memory(model, tokenizer, prompts, max_new_tokens: int) -> list[list[int]]:
     """The answers to the warm-up split, as token lists (what a deployment would have seen before)."""
-    return [generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens).rows[0].token_ids
+    return [generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens, compile=False).rows[0].token_ids
             for ids in prompts]
 
 
@@ -143,7 +143,8 @@ def measure_prompt(model, tokenizer, hf, ids, memory, max_new_tokens: int, repea
     outputs = {}
 
     def plain():
-        outputs["minillm plain"] = generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
+        outputs["minillm plain"] = generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
+                                            compile=False)
 
     def speculative(name, make, **budget):
         def call():
@@ -185,7 +186,7 @@ def measure_prompt(model, tokenizer, hf, ids, memory, max_new_tokens: int, repea
 
 def sweep(model, tokenizer, ids, memory, max_new_tokens: int, decoding_lengths, branch_lengths) -> dict:
     """Warm lookahead at each decoding length x branch length, one timed run each (after plain greedy's)."""
-    generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens)  # warm-up
+    generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens, compile=False)  # warm-up
     start = time.perf_counter()
     generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
     plain_seconds = time.perf_counter() - start

@@ -92,3 +92,9 @@ def provenance(data: dict) -> str:
 def heading(title: str, links: dict, text: str) -> str:
     """The bold title, links to the plot and the JSON, and what was measured."""
     return paragraph(f"**{title}** ([plot]({links['png']}), [JSON]({links['json']})): {text}")
+
+
+def section(title: str, links: dict, text: str, data: dict, header: list[str], rows: list[list[str]],
+            notes: list[str]) -> str:
+    """A suite's whole section: heading with what was measured, provenance, the table, then the notes."""
+    return "\n\n".join([heading(title, links, text), provenance(data), table(header, rows), "\n".join(notes)])

@@ -192,10 +192,41 @@ def quant_section(title: str, data: dict, links: dict) -> str:
         if ours in speed and theirs in speed:
             notes.append(md.bullet(f"{ours} against {theirs}: {md.times(speed[ours] / speed[theirs])}."))
     notes.append(md.bullet(f"llama.cpp: {data['llama_cpp']}."))
-    return "\n\n".join([
-        md.heading(title, links,
-                   f"{model_label(data['model'])}, perplexity on {data['held_out_tokens']} held-out tokens (windows of "
-                   f"{data['window']}), KL and top-1 agreement against float32; decode tokens/s at "
-                   f"{data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, greedy. MX rows are codecs "
-                   "applied to the weights (float32 compute: accuracy only)."),
-        md.provenance(data), md.table(header, rows), "\n".join(notes)])
+    return md.section(title, links,
+                      f"{model_label(data['model'])}, perplexity on {data['held_out_tokens']} held-out tokens (windows "
+                      f"of {data['window']}), KL and top-1 agreement against float32; decode tokens/s at "
+                      f"{data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, greedy. MX rows are codecs "
+                      "applied to the weights (float32 compute: accuracy only).", data, header, rows, notes)
+
+
+LLAMA_REFERENCE = {"none": "llama.cpp F32", "int8": "llama.cpp Q8_0", "gguf": "llama.cpp Q4_1"}
+
+
+def cli_section(title: str, data: dict, links: dict) -> str:
+    rows = data["contenders"]
+    header = ["process", "path that ran", "start to first text (s)", "whole run (s)", "decode tok/s (spread)",
+              "decode vs llama.cpp"]
+    body = []
+    for name, row in rows.items():
+        quant = next((q for q in ("int8", "gguf") if f" {q} " in name), "none")
+        reference = rows.get(LLAMA_REFERENCE[quant]) if name.startswith("minillm") else None
+        ratio = (md.times(row["decode_tokens_per_second"] / reference["decode_tokens_per_second"])
+                 if reference else "—")
+        body.append([name, row["path"] or "llama.cpp", f"{row['first_text_seconds']:.2f}", f"{row['seconds']:.2f}",
+                     f"{row['decode_tokens_per_second']:.1f} "
+                     f"({md.span(row['decode_tokens_per_second_per_repeat'], 1)})", ratio])
+    builds = ", ".join(f"{'float32' if q == 'none' else q} {s:.0f} s" for q, s in data["first_build_seconds"].items())
+    notes = [md.bullet(f"First build of the compiled decode graph (`python -m minillm.compile`, the whole process, "
+                       f"in an empty cache): {builds}. Later runs load it; none builds it again.")]
+    for name, row in rows.items():
+        if "same_text_as_eager" in row:
+            same = "the same text as" if row["same_text_as_eager"] else "text differing from"
+            notes.append(md.bullet(f"{name}: {same} its eager run."))
+    if data["llama_cpp"] is not None:
+        notes.append(md.bullet(f"llama.cpp: {data['llama_cpp']}."))
+    return md.section(title, links,
+                      f"{model_label(data['model'])}, each contender a fresh process as a user starts it: the prompt "
+                      f"\"{data['prompt'][:40]}...\" (raw text, greedy), {data['new_tokens']} new tokens at most; "
+                      f"medians of {data['repeats']} rounds after a warm-up, contenders alternating. Decode tok/s is "
+                      "each process's own report (after its first token); the times are wall clock from the start.",
+                      data, header, body, notes)

@@ -1,0 +1,181 @@
+"""Suite `cli`: whole processes as a user runs them, from start to first token to exit, beside llama.cpp's.
+
+Every other suite times steps inside one long process. A user types a command: the process
+starts, imports, loads the model, loads (or builds) its compiled graph, reads the prompt, and
+then streams tokens. This suite runs exactly those commands, each in a fresh process:
+
+    minillm eager            python -m minillm.infer --prompt P --no-chat --greedy --eager
+    minillm compiled         the same without --eager: the kept decode graph, built beforehand
+                             by `python -m minillm.compile` (that first build is timed too)
+    ... --quant int8 / gguf  the same two, on the quantized linears (lesson 14)
+    llama.cpp F32/Q8_0/Q4_1  a process that loads the same weights with llama-cpp-python and
+                             streams the same number of tokens (skipped when not installed)
+
+For each it records the wall time to the first streamed text and to exit, and the decode
+rate the process reports for itself. The builds happen in a fresh $MINILLM_HOME (the model
+conversions linked in from the real one), so the first build is a real first build.
+
+    python -m minillm.bench cli            # 128 new tokens, every contender, 3 rounds
+    python -m minillm.bench cli --quick    # 32 new tokens, float32 and llama.cpp F32 only, 1 round
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..base.files import minillm_home
+from .common import REPO, alternate, finish_figure, median, plot_title, spread
+from .llama_cpp import gguf_as, missing_reason
+
+PROMPT = ("The lighthouse keeper had not spoken to anyone in three weeks when the storm brought a stranger to "
+          "the door. She")
+STATS = re.compile(r"(\d+) decode tokens at ([\d.]+) tok/s")
+PATH = re.compile(r"\[path: (\w+)")
+
+
+def minillm_command(quant: str, eager: bool, new_tokens: int) -> list[str]:
+    return [sys.executable, "-m", "minillm.infer", "--prompt", PROMPT, "--no-chat", "--greedy", "--max-new-tokens",
+            str(new_tokens), "--quant", quant, "--stats", *(["--eager"] if eager else [])]
+
+
+def llama_command(gguf: Path, new_tokens: int) -> list[str]:
+    return [sys.executable, "-m", "minillm.bench.processes", "llama", str(gguf), str(new_tokens)]
+
+
+def timed_process(command: list[str], env: dict) -> dict:
+    """Run one process; wall seconds to its first streamed text and to its exit, its text and its own report."""
+    start = time.perf_counter()
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    first, chunks = None, []
+    while piece := child.stdout.read1(1 << 16):
+        first = first or time.perf_counter()
+        chunks.append(piece)
+    err = child.stderr.read().decode(errors="replace")
+    child.wait()
+    end = time.perf_counter()
+    if child.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])} ... failed (exit {child.returncode}): {err.strip()[-300:]}")
+    stats, path = STATS.search(err), PATH.search(err)
+    return {"seconds": end - start, "first_text_seconds": (first or end) - start,
+            "decode_tokens": int(stats.group(1)) if stats else None,
+            "decode_tokens_per_second": float(stats.group(2)) if stats else None,
+            "path": path.group(1) if path else None, "text": b"".join(chunks).decode(errors="replace")}
+
+
+def fresh_home(real: Path, into: Path) -> Path:
+    """A $MINILLM_HOME holding links to the real one's model conversions and GGUF copies, and no graphs."""
+    into.mkdir(parents=True, exist_ok=True)
+    for entry in real.iterdir():
+        if entry.name not in ("graphs", ".lock") and not entry.name.startswith("."):
+            (into / entry.name).symlink_to(entry)
+    return into
+
+
+def run(args) -> dict:
+    from ..speed.quant_gguf import gguf_path_for
+
+    quick = args.quick
+    new_tokens, repeats = (32, 1) if quick else (128, args.repeats)
+    quants = ("none",) if quick else ("none", "int8", "gguf")
+    llama = missing_reason()
+    ggufs = {}
+    if llama is None:
+        source = gguf_path_for(args.model)
+        ggufs = {"F32": gguf_as(source, "F32")}
+        if not quick:
+            ggufs.update({"Q8_0": gguf_as(source, "Q8_0"), "Q4_1": source})
+    builds, records = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "MINILLM_HOME": str(fresh_home(minillm_home(), Path(tmp) / "home")),
+               "PYTHONPATH": str(REPO)}
+        for quant in quants:  # the first build of each compiled graph, as `python -m minillm.compile` does it
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "minillm.compile", "--quant", quant], env=env, cwd=REPO,
+                           check=True, capture_output=True)
+            builds[quant] = time.perf_counter() - start
+            print(f"first build, quantization {quant}: {builds[quant]:.0f} s (the whole process)", flush=True)
+        contenders = {}
+        for quant in quants:
+            label = "" if quant == "none" else f" {quant}"
+            for eager in (True, False):
+                name = f"minillm{label} {'eager' if eager else 'compiled'}"
+                contenders[name] = recorder(records, name, minillm_command(quant, eager, new_tokens), env)
+        for kind, path in ggufs.items():
+            contenders[f"llama.cpp {kind}"] = recorder(records, f"llama.cpp {kind}", llama_command(path, new_tokens),
+                                                       env)
+        alternate(contenders, repeats=repeats, warmup=1, desc="whole processes")
+    rows = {}
+    for name, runs in records.items():
+        runs = runs[1:]  # the warm-up round is dropped, as `alternate` drops its time
+        rates = [r["decode_tokens_per_second"] for r in runs]
+        seconds = [r["seconds"] for r in runs]
+        rows[name] = {"seconds": median(seconds), "seconds_per_repeat": seconds,
+                      "first_text_seconds": median([r["first_text_seconds"] for r in runs]),
+                      "decode_tokens_per_second": median(rates), "decode_tokens_per_second_per_repeat": rates,
+                      "decode_tokens": runs[-1]["decode_tokens"], "path": runs[-1]["path"], "text": runs[-1]["text"]}
+    for name, row in rows.items():
+        if name.startswith("minillm") and name.endswith("compiled"):
+            row["same_text_as_eager"] = row["text"] == rows[name.replace("compiled", "eager")]["text"]
+        print(f"{name:26s} first text {row['first_text_seconds']:5.2f} s, exit {row['seconds']:5.2f} s, decode "
+              f"{row['decode_tokens_per_second']:6.1f} tok/s ({row['path'] or 'llama.cpp'})", flush=True)
+    return {"model": args.model, "quick": quick, "prompt": PROMPT, "new_tokens": new_tokens, "repeats": repeats,
+            "threads": torch.get_num_threads(), "llama_cpp": llama, "first_build_seconds": builds,
+            "contenders": rows}
+
+
+def recorder(records: dict, name: str, command: list[str], env: dict):
+    def run():
+        records.setdefault(name, []).append(timed_process(command, env))
+    return run
+
+
+COLORS = {"eager": "tab:blue", "compiled": "tab:green", "llama.cpp": "tab:red"}
+
+
+def plot(data: dict, path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = data["contenders"]
+    names = list(rows)
+    colors = [COLORS["llama.cpp"] if n.startswith("llama") else COLORS[n.split()[-1]] for n in names]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rates = [rows[n]["decode_tokens_per_second"] for n in names]
+    samples = [rows[n]["decode_tokens_per_second_per_repeat"] for n in names]
+    left.barh(names, rates, color=colors, xerr=spread(rates, samples), capsize=3)
+    left.set_xlabel("decode tokens per second (the process's own report)")
+    left.invert_yaxis()
+    right.barh(names, [rows[n]["first_text_seconds"] for n in names], color="lightgray", label="start to first text")
+    right.barh(names, [rows[n]["seconds"] - rows[n]["first_text_seconds"] for n in names],
+               left=[rows[n]["first_text_seconds"] for n in names], color=colors, label="first text to exit")
+    right.set_xlabel(f"seconds, whole process ({data['new_tokens']} new tokens)")
+    right.invert_yaxis()
+    right.legend(fontsize=8)
+    fig.suptitle(plot_title("Whole processes as a user runs them", data, "float32 and quantized"), fontsize=10)
+    finish_figure(fig, path)
+
+
+def llama_child(gguf: str, new_tokens: int) -> None:
+    """The llama.cpp contender's process: load the GGUF, stream `new_tokens` greedy tokens, report the rate."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=512, n_threads=torch.get_num_threads(),
+                n_threads_batch=torch.get_num_threads(), verbose=False, use_extra_bufts=False)
+    times = []
+    for chunk in llm.create_completion(PROMPT, max_tokens=new_tokens, temperature=0, stream=True):
+        times.append(time.perf_counter())
+        sys.stdout.write(chunk["choices"][0]["text"])
+        sys.stdout.flush()
+    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+    print(f"[{len(times) - 1} decode tokens at {rate:.1f} tok/s]", file=sys.stderr)
+
+
+if __name__ == "__main__":  # the llama.cpp contender's own process (`llama_command`)
+    llama_child(sys.argv[2], int(sys.argv[3]))
