@@ -127,13 +127,13 @@ class BlockManager:
             raise ValueError(f"a sequence of {n_tokens} tokens needs {needed} blocks of {self.block_size}, but the "
                              f"pool has {self.num_blocks} ({self.capacity} tokens): shorten it or build a larger pool")
 
-    def can_allocate(self, tokens) -> bool:
+    def can_allocate(self, tokens, reuse: bool = True) -> bool:
         """Whether `allocate` would succeed now. tokens: a count (assumes no prefix hit: conservative)
         or the token list itself (prefix hits counted exactly)."""
         if isinstance(tokens, int):
             return blocks_for(tokens, self.block_size) <= self.num_free
         fits_ever = blocks_for(len(tokens), self.block_size) <= self.num_blocks
-        return fits_ever and self._plan(tokens).free_needed <= self.num_free
+        return fits_ever and self._plan(tokens, reuse).free_needed <= self.num_free
 
     def can_append(self, seq_id) -> bool:
         """Whether `append` would succeed now (it needs a free block when the last one is full)."""
@@ -142,16 +142,17 @@ class BlockManager:
 
     # ---------------------------------------------------------------- changes
 
-    def allocate(self, seq_id, tokens) -> list[int]:
+    def allocate(self, seq_id, tokens, reuse: bool = True) -> list[int]:
         """Give a new sequence blocks for its tokens, reusing cached full blocks; returns its block table.
 
-        All or nothing: if the pool cannot hold it now, RuntimeError and nothing changes.
+        reuse=False takes no cached block: every position is computed (a sequence whose prompt's
+        logits are wanted). All or nothing: if the pool cannot hold it now, RuntimeError and nothing changes.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks: free it before allocating again")
         tokens = list(tokens)
         self.check_fits(len(tokens))
-        plan = self._plan(tokens)
+        plan = self._plan(tokens, reuse)
         if plan.free_needed > self.num_free:
             raise RuntimeError(f"sequence {seq_id!r} needs {plan.free_needed} free blocks, {self.num_free} are "
                                f"free: free or preempt a sequence first (can_allocate asks beforehand)")
@@ -216,10 +217,10 @@ class BlockManager:
                              f"({len(self._seqs)} sequences hold blocks)")
         return self._seqs[seq_id]
 
-    def _plan(self, tokens: list[int]) -> _Plan:
+    def _plan(self, tokens: list[int], reuse: bool) -> _Plan:
         bs, plan = self.block_size, _Plan()
         plan.blocks = blocks_for(len(tokens), self.block_size)
-        reusable = (len(tokens) - 1) // bs  # full blocks before the last token (which is always computed)
+        reusable = (len(tokens) - 1) // bs if reuse else 0  # full blocks before the last token (always computed)
         block_hash = None
         for i in range(len(tokens) // bs):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])

@@ -4,7 +4,8 @@ Strategies (`minillm.strategies.generate.generate`, speculative decoding, beam s
 serving engine) accept prompts in the same forms and report in the same shapes:
 
     GenerationEvent   one row's progress in one step: new token ids, newly final text,
-                      and the finish reason on the row's last event
+                      and the finish reason on the row's last event (with their logprobs,
+                      `minillm.decoding.logprobs`, where the row asks for them)
     RowOutput         one row's whole result
     GenerationOutput  every row's result and the run's statistics
 """
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .logprobs import TokenLogprobs
 from .settings import is_int
 from .stopping import RowState
 
@@ -25,6 +27,8 @@ class GenerationEvent:
     token_ids: list[int]  # tokens added to the row in this step (several after a speculative round)
     text: str  # text that became final in this step (what a streamer prints)
     finish_reason: str | None = None  # "eos", "stop" or "length" on the row's last event
+    logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, where the row asks for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens after the first: on the first event, if asked
 
 
 @dataclass

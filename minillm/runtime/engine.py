@@ -18,6 +18,9 @@ One `step()` is one forward of the model over a mixed batch:
                    block table (`PagedAttention`)
     sample         every request whose prompt is done draws its next token with its own
                    settings and its own random stream (`minillm.decoding.sampling`)
+    logprobs       only for the requests that ask: the chosen tokens' (from the distribution
+                   they were drawn from), and the prompt tokens' at every prompt position fed
+                   (`minillm.decoding.logprobs`)
     events         new tokens, newly final text, finish reasons (`minillm.decoding.stopping`)
 
 A request's tokens depend only on its prompt, settings and seed, never on what else
@@ -48,6 +51,7 @@ from ..decoding.outputs import (
     encode_prompts,
 )
 from ..decoding.sampling import SamplingConfig, row_configs
+from ..decoding.settings import is_int
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, sample_next
@@ -102,8 +106,14 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, config: SamplingConfig | None = None, *, arrival_time: float | None = None,
+                    top_logprobs: int | None = None, prompt_top_logprobs: int | None = None,
                     **config_overrides) -> int:
         """Queue a prompt (text or token ids) with its settings; returns the request's id.
+
+        top_logprobs: its events carry each generated token's logprob and this many likeliest
+        tokens'; prompt_top_logprobs: its first event carries the same for each prompt token
+        after the first (its prompt is then computed whole, never read from the prefix cache).
+        None, the default, computes nothing of the kind.
 
         Checked here, before any model work: the prompt, the settings, and that the pool
         can hold the request at its longest (else it could never finish).
@@ -119,7 +129,14 @@ class Engine:
         (config,) = row_configs(config, 1, config_overrides)
         if config.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass Engine(model, tokenizer)")
+        vocab = self.model.config.vocab_size
+        for name, top in (("top_logprobs", top_logprobs), ("prompt_top_logprobs", prompt_top_logprobs)):
+            if top is not None and not (is_int(top) and 0 <= top <= vocab):
+                raise ValueError(f"{name}={top!r} is invalid: must be None (no logprobs) or an integer in [0, {vocab}]")
         max_new = min(config.max_new_tokens, context - len(prompt_ids))  # the context is the limit too
+        if prompt_top_logprobs is not None and max_new == 0:
+            raise ValueError("prompt_top_logprobs needs max_new_tokens >= 1: the prompt's logits come from the forward "
+                             "that draws the first token (to score a prompt alone, drop that token, as vLLM does)")
         longest = len(prompt_ids) + max_new
         if blocks_for(longest, self.manager.block_size) > self.manager.num_blocks:
             raise ValueError(f"request of {len(prompt_ids)} prompt tokens + {max_new} new tokens needs "
@@ -128,7 +145,8 @@ class Engine:
                              f"pool (num_blocks / kv_cache_mb)")
         request_id, self._next_id = self._next_id, self._next_id + 1
         request = Sequence.create(prompt_ids, config.with_(max_new_tokens=max_new), tokenizer=self.tokenizer,
-                                  vocab_size=self.model.config.vocab_size, device=self.model.device, id=request_id,
+                                  vocab_size=vocab, device=self.model.device, id=request_id,
+                                  top_logprobs=top_logprobs, prompt_top_logprobs=prompt_top_logprobs,
                                   **({} if arrival_time is None else {"arrival_time": arrival_time}))
         self.requests[request_id] = request
         if request.finished:  # max_new_tokens == 0: nothing to compute, one event to report it (as `generate` does)
@@ -196,12 +214,24 @@ class Engine:
                             if len(r.tokens) > len(r.prompt_ids) and r.computed == len(r.tokens) - 1)
         # A request whose tokens are all fed after this step has a next token to draw.
         ready = [i for i, (r, n) in enumerate(plan.work) if r.computed + n == len(r.tokens)]
-        logits = self.runner.step(packed, tokens, packed.last_tokens[ready])  # [len(ready), V]
+        # Positions whose logits score the prompt token after them, for requests asking for prompt logprobs.
+        scored = [(r, r.prompt_positions_to_score(r.computed, n), packed.query_starts[i] - r.computed)
+                  for i, (r, n) in enumerate(plan.work)]
+        score_at = [entry + p for _, positions, entry in scored for p in positions]  # row entries
+        logits_at = packed.last_tokens[ready]
+        if score_at:
+            logits_at = torch.cat([logits_at, torch.tensor(score_at, device=device)])
+        logits = self.runner.step(packed, tokens, logits_at)  # [len(ready) + len(score_at), V]
         self.forward_passes += 1
         for r, n in plan.work:
             r.computed += n
+        scores = logits[len(ready):]
+        for r, positions, _ in scored:
+            if positions:
+                r.score_prompt(scores[: len(positions)])
+                scores = scores[len(positions):]
         ready_requests = [requests[i] for i in ready]
-        for request, token in zip(ready_requests, sample_next(ready_requests, logits) if ready else []):
+        for request, token in zip(ready_requests, sample_next(ready_requests, logits[: len(ready)]) if ready else []):
             request.append(token)
             events.append(request.event([token]))
             if request.finished:

@@ -17,9 +17,11 @@ step, one forward at a time:
    a step that had to preempt.
 
 The scheduler only does bookkeeping: which request feeds how many tokens, which blocks
-it holds (`minillm.cache.paged.BlockManager`). It reads three things of a request: `id`,
-`tokens` (prompt + generated so far) and `computed` (leading tokens whose keys are in
-the pool); the engine (`minillm.runtime.engine`) owns everything else.
+it holds (`minillm.cache.paged.BlockManager`). It reads four things of a request: `id`,
+`tokens` (prompt + generated so far), `computed` (leading tokens whose keys are in
+the pool) and `wants_prompt_logits` (its prompt is computed whole, never read from the
+prefix cache, while its prompt's logprobs are owed); the engine (`minillm.runtime.engine`)
+owns everything else.
 """
 
 from __future__ import annotations
@@ -86,10 +88,11 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not step.preempted:
             request = self.waiting[0]
-            if not self.manager.can_allocate(request.tokens):
+            reuse = not request.wants_prompt_logits
+            if not self.manager.can_allocate(request.tokens, reuse):
                 break
             self.waiting.popleft()
-            self.manager.allocate(request.id, request.tokens)
+            self.manager.allocate(request.id, request.tokens, reuse)
             request.computed = self.manager.cached_tokens(request.id)
             self.running.append(request)
             step.admitted.append(request)

@@ -12,6 +12,13 @@ so a request's life is written once (nano-vllm's shape):
 
 A sequence's tokens depend only on its prompt, settings and seed, never on which other
 sequences share its forwards: its generator and its penalties' history are its own.
+
+Logprobs (the server's `logprobs`, `echo`): a sequence made with `top_logprobs=k` has
+`sample_next` record each chosen token's logprob and the k likeliest tokens' in
+`seq.logprobs`, from the distribution the token was drawn from; one made with
+`prompt_top_logprobs=k` has the engine record its prompt tokens' in `seq.prompt_logprobs`
+(`score_prompt`). Which distribution, and what it costs: `minillm.decoding.logprobs`.
+Sequences that ask for neither compute nothing more.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decoding.logprobs import TokenLogprobs, token_logprobs
 from ..decoding.outputs import GenerationEvent, RowOutput
 from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows
 from ..decoding.stopping import RowState
@@ -46,6 +54,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each generated token was produced
     finish_time: float | None = None
+    top_logprobs: int | None = None  # report each generated token's logprob and this many likeliest (None: none)
+    prompt_top_logprobs: int | None = None  # the same for each prompt token after the first (None: none)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, when top_logprobs is set
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1, 2, ... scored so far
 
     @classmethod
     def create(cls, prompt_ids: list[int], config: SamplingConfig, *, tokenizer=None, vocab_size: int,
@@ -69,6 +81,26 @@ class Sequence:
     def max_new_tokens(self) -> int:
         return self.state.max_new_tokens
 
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether prompt tokens still wait for their logprobs: the logits at every prompt position are
+        needed, so none of its keys may come from the prefix cache (the scheduler asks)."""
+        return self.prompt_top_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    def prompt_positions_to_score(self, start: int, n: int) -> range:
+        """Of the positions start .. start + n - 1 about to be fed, those whose logits score a prompt token
+        not scored yet (position p's logits score token p + 1); empty unless prompt logprobs are asked."""
+        if self.prompt_top_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(start + n, len(self.prompt_ids) - 1))
+
+    def score_prompt(self, logits: torch.Tensor) -> None:
+        """Record the next len(logits) prompt tokens' logprobs from the model's raw logits [K, V] at the
+        positions before them (`prompt_positions_to_score` says which)."""
+        first = len(self.prompt_logprobs) + 1
+        targets = torch.tensor(self.prompt_ids[first : first + len(logits)], device=logits.device)
+        self.prompt_logprobs += token_logprobs(logits, targets, [self.prompt_top_logprobs] * len(logits))
+
     def window(self) -> list[int]:
         """The tokens the model sees: everything from the context window's start."""
         return self.tokens[self.window_start:]
@@ -90,8 +122,13 @@ class Sequence:
         self.finish_time = time.perf_counter()
 
     def event(self, token_ids: list[int]) -> GenerationEvent:
-        """The one report every path gives: these new tokens, the text they made final, the finish reason."""
-        return GenerationEvent(self.id, token_ids, self.state.new_text(), self.state.finish_reason)
+        """The one report every path gives: these new tokens, the text they made final, the finish reason;
+        and, where asked, the tokens' logprobs and, on the first event, the prompt's."""
+        first = len(self.generated) == len(token_ids)
+        logprobs = None if self.top_logprobs is None else self.logprobs[len(self.logprobs) - len(token_ids):]
+        prompt_logprobs = self.prompt_logprobs if self.prompt_top_logprobs is not None and first else None
+        return GenerationEvent(self.id, token_ids, self.state.new_text(), self.state.finish_reason, logprobs,
+                               prompt_logprobs)
 
     def output(self) -> RowOutput:
         return RowOutput.from_state(self.state)
@@ -108,10 +145,21 @@ def stacked_history(seqs: list[Sequence]) -> TokenHistory | None:
 
 
 def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """Next-token logits [B, V] -> one token per sequence, each with its own settings and random stream."""
+    """Next-token logits [B, V] -> one token per sequence, each with its own settings and random stream.
+
+    A sequence with `top_logprobs` set gets the chosen token's logprobs appended to `seq.logprobs`, from the
+    processed logits the token was drawn from (`minillm.decoding.logprobs` says why those).
+    """
     configs = [s.config for s in seqs]
-    processed = process_rows(logits, configs, stacked_history(seqs))
-    return choose_rows(processed, configs, [s.generator for s in seqs]).tolist()
+    processed = process_rows(logits, configs, stacked_history(seqs))  # float32 [B, V]
+    tokens = choose_rows(processed, configs, [s.generator for s in seqs])  # [B]
+    asking = [i for i, s in enumerate(seqs) if s.top_logprobs is not None]
+    if asking:
+        rows = torch.tensor(asking, device=tokens.device)
+        for i, report in zip(asking, token_logprobs(processed[rows], tokens[rows],
+                                                    [seqs[i].top_logprobs for i in asking])):
+            seqs[i].logprobs.append(report)
+    return tokens.tolist()
 
 
 __all__ = ["Sequence", "sample_next", "stacked_history"]

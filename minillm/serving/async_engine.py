@@ -81,14 +81,15 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ called from the event loop
 
-    async def submit(self, prompts: list, configs: list) -> Submitted:
-        """Add one request per (prompt, config); all or none are added.
+    async def submit(self, prompts: list, configs: list, **request_options) -> Submitted:
+        """Add one request per (prompt, config); all or none are added. request_options: `Engine.add_request`'s
+        keywords (top_logprobs, prompt_top_logprobs), the same for every one of them.
 
         Raises what `Engine.add_request` raises for a bad prompt or setting (ValueError),
         or QueueFull.
         """
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        return await self._call(lambda: self._add(prompts, configs, loop, events))
+        return await self._call(lambda: self._add(prompts, configs, request_options, loop, events))
 
     async def call(self, fn):
         """Run `fn(engine)` on the engine thread between two steps and return its result (for reading counters)."""
@@ -114,7 +115,7 @@ class AsyncEngine:
         self._commands.put((fn, result))
         self._wake.set()
 
-    def _add(self, prompts, configs, loop, events) -> Submitted:
+    def _add(self, prompts, configs, request_options, loop, events) -> Submitted:
         waiting = len(self.engine.scheduler.waiting)
         if waiting + len(prompts) > self.max_waiting:
             raise QueueFull(f"{waiting} requests are already waiting (the limit is {self.max_waiting}): "
@@ -122,7 +123,7 @@ class AsyncEngine:
         ids = []
         try:
             for prompt, config in zip(prompts, configs):
-                ids.append(self.engine.add_request(prompt, config))
+                ids.append(self.engine.add_request(prompt, config, **request_options))
         except Exception:
             self._abort(ids)
             raise

@@ -15,8 +15,14 @@ Requests. Bodies are read with pydantic (types), then minillm's own checks (rang
     top_k, min_p, repetition_penalty     extras, as vLLM accepts them
     ignore_eos                      extra: eos_token_id=() (exact lengths, for load tests)
     n                               n requests; choice i samples with seed + i
+    chat logprobs, top_logprobs     the engine's top_logprobs (0-20): each token's logprob and the likeliest
+    completions logprobs            the same (0-5), in the legacy shape
+    completions echo                the prompt before the completion; with logprobs, the engine's
+                                    prompt_top_logprobs too (the prompt's first token gets null)
 
 OpenAI samples by default (temperature 1); send `temperature: 0` for greedy decoding.
+Logprobs are those of the distribution each token was drawn from (`minillm.decoding.logprobs`);
+JSON has no -inf, so a token the sampler could not draw reports vLLM's floor, -9999.0.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with a
 4xx status for anything the client can fix.
@@ -24,18 +30,23 @@ Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, wi
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..decoding.logprobs import TokenLogprobs
 from ..decoding.sampling import SamplingConfig
 from ..decoding.settings import SamplingError
 
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # minillm field -> the parameter the client sent
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # minillm -> OpenAI
 MAX_CHOICES = 16  # n above this is refused: one request must not fill the batch alone
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI allows
+LOGPROB_FLOOR = -9999.0  # what a -inf logprob reports (vLLM's value): JSON has no infinity
 
 
 class APIError(Exception):
@@ -94,6 +105,11 @@ class CompletionRequest(SamplingParameters):
     best_of: int | None = None
     suffix: str | None = None
 
+    def logprob_options(self) -> dict:
+        """The engine's logprobs settings: `logprobs` likeliest tokens beside each token; with echo, the prompt's."""
+        check_logprob_count("logprobs", self.logprobs, MAX_COMPLETION_LOGPROBS)
+        return {"top_logprobs": self.logprobs, "prompt_top_logprobs": self.logprobs if self.echo else None}
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -117,18 +133,30 @@ class ChatCompletionRequest(SamplingParameters):
     max_tokens: int | None = None  # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list | None = None
     response_format: dict | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprob_options(self) -> dict:
+        """The engine's logprobs settings: with `logprobs: true`, `top_logprobs` (default 0) likeliest tokens."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, 'top_logprobs needs logprobs: add "logprobs": true to the request',
+                           param="top_logprobs")
+        check_logprob_count("top_logprobs", self.top_logprobs, MAX_TOP_LOGPROBS)
+        return {"top_logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+
+def check_logprob_count(name: str, count: int | None, most: int) -> None:
+    if count is not None and not 0 <= count <= most:
+        raise APIError(400, f"{name}={count} is invalid: must be between 0 and {most}", param=name)
+
 
 def refuse_unsupported(body: SamplingParameters) -> None:
     """Parameters minillm does not implement: refused by name, never silently ignored."""
     unsupported = {
-        "logprobs": bool(getattr(body, "logprobs", None)),
-        "echo": getattr(body, "echo", False),
         "best_of": getattr(body, "best_of", None) not in (None, 1),
         "suffix": getattr(body, "suffix", None) is not None,
         "logit_bias": bool(body.logit_bias),
@@ -215,17 +243,57 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_choice(index: int, text: str, reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+def completion_choice(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
-def chat_choice(index: int, text: str, reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason(reason)}
 
 
-def chat_delta(index: int, delta: dict, reason: str | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
+def chat_delta(index: int, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+
+
+def json_logprob(logprob: float) -> float:
+    """JSON has no -inf (a token the sampler could not draw): LOGPROB_FLOOR stands for it."""
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def chat_logprobs(reports: list[TokenLogprobs], tokenizer) -> dict:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}, ...]}]}.
+
+    A token's text is what it decodes to alone; its bytes are its own (part of a character, maybe).
+    """
+    def entry(token_id: int, logprob: float) -> dict:
+        return {"token": tokenizer.decode([token_id]), "logprob": json_logprob(logprob),
+                "bytes": list(tokenizer.token_bytes(token_id))}
+
+    return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+                        for r in reports]}
+
+
+def completion_logprobs(token_ids: list[int], reports: list[TokenLogprobs | None], tokenizer,
+                        text_offset: int = 0) -> dict:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs and text_offset, one entry per token.
+
+    A None report (an echoed prompt's first token, which nothing predicts) gives nulls. Each top_logprobs dict
+    holds the token itself and the likeliest tokens (so up to logprobs + 1 entries, as OpenAI says). text_offset:
+    where each token's text begins, the first at `text_offset` (a stream's chunks continue where the last ended).
+    """
+    tokens = [tokenizer.decode([t]) for t in token_ids]
+
+    def likeliest(report: TokenLogprobs) -> dict:
+        top = {tokenizer.decode([report.token_id]): json_logprob(report.logprob)}
+        for token_id, logprob in report.top:
+            top.setdefault(tokenizer.decode([token_id]), json_logprob(logprob))
+        return top
+
+    return {"tokens": tokens,
+            "token_logprobs": [None if r is None else json_logprob(r.logprob) for r in reports],
+            "top_logprobs": [None if r is None else likeliest(r) for r in reports],
+            "text_offset": list(itertools.accumulate(map(len, tokens), initial=text_offset))[:-1]}
 
 
 def envelope(kind: str, response_id: str, model: str, choices: list, usage_counts: dict | None = None) -> dict:
@@ -237,5 +305,5 @@ def envelope(kind: str, response_id: str, model: str, choices: list, usage_count
 
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "Message", "chat_choice", "chat_delta",
-           "chat_prompt", "completion_choice", "completion_prompts", "envelope", "finish_reason", "max_new_tokens",
-           "new_id", "refuse_unsupported", "sampling_config", "usage"]
+           "chat_logprobs", "chat_prompt", "completion_choice", "completion_logprobs", "completion_prompts", "envelope",
+           "finish_reason", "max_new_tokens", "new_id", "refuse_unsupported", "sampling_config", "usage"]

@@ -17,7 +17,9 @@ Any OpenAI client works unchanged (`OpenAI(base_url="http://127.0.0.1:8000/v1", 
     GET  /metrics               Prometheus metrics: queue, batch, KV blocks, tokens, latencies
 
 Streaming is server-sent events: `data: {json}` chunks as tokens become final text, a
-usage chunk when `stream_options.include_usage` asks for it, then `data: [DONE]`.
+usage chunk when `stream_options.include_usage` asks for it, then `data: [DONE]`. With
+`logprobs`, each chunk carries the logprobs of the tokens it carries; with `echo`, the
+first chunk of a choice begins with its prompt.
 
 What keeps one bad client from hurting the others: every request body is checked
 before any model work, and a bad one is answered with OpenAI's JSON error and a 4xx
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from ..decoding.logprobs import TokenLogprobs
 from ..decoding.outputs import GenerationEvent
 from ..runtime.engine import Engine
 from .async_engine import AsyncEngine, EngineFailed, QueueFull, Submitted
@@ -52,8 +56,10 @@ from .openai_api import (
     SamplingParameters,
     chat_choice,
     chat_delta,
+    chat_logprobs,
     chat_prompt,
     completion_choice,
+    completion_logprobs,
     completion_prompts,
     envelope,
     max_new_tokens,
@@ -104,25 +110,57 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+@dataclass
+class Piece:
+    """What a choice shows: one event's share of it, or, added up, the whole choice."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # One per token where logprobs are asked; None for an echoed prompt's first token, which nothing predicts.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def extend(self, piece: "Piece") -> None:
+        self.text += piece.text
+        self.token_ids += piece.token_ids
+        self.logprobs += piece.logprobs
+        self.finish_reason = piece.finish_reason
+
+
 class Choices:
     """One HTTP request's engine requests (n choices per prompt), as OpenAI's choice indices.
 
     prompt_tokens counts each prompt once, however many choices share it, as OpenAI's usage does.
+    echo: each choice's prompt text, which its first piece begins with (tokens and logprobs too).
+    scoring_only (echo and logprobs with max_tokens 0): the engine draws one token to run the
+    prompt's forward, and the choices leave it out, as vLLM does.
     """
 
-    def __init__(self, submitted: Submitted, prompt_tokens: int):
-        self.submitted, self.prompt_tokens = submitted, prompt_tokens
+    def __init__(self, submitted: Submitted, prompts: list[list[int]], prompt_tokens: int, with_logprobs: bool,
+                 echo: list[str] | None, scoring_only: bool):
+        self.submitted, self.prompts, self.prompt_tokens = submitted, prompts, prompt_tokens
+        self.with_logprobs, self.echo, self.scoring_only = with_logprobs, echo, scoring_only
         self.index = {request_id: i for i, request_id in enumerate(submitted.ids)}
-        self.texts = [""] * len(submitted.ids)
-        self.reasons: list[str | None] = [None] * len(submitted.ids)
+        self.whole = [Piece() for _ in submitted.ids]
+        self.started = [False] * len(submitted.ids)
         self.completion_tokens = 0
 
-    def record(self, event: GenerationEvent) -> int:
+    def record(self, event: GenerationEvent) -> tuple[int, Piece]:
+        """The choice an event belongs to, and what it adds to it."""
         i = self.index[event.row]
-        self.texts[i] += event.text
-        self.reasons[i] = event.finish_reason
-        self.completion_tokens += len(event.token_ids)
-        return i
+        if self.scoring_only:
+            piece = Piece(finish_reason="length" if event.finish_reason else None)
+        else:
+            piece = Piece(event.text, event.token_ids, event.logprobs or [], event.finish_reason)
+            self.completion_tokens += len(event.token_ids)
+        if self.echo is not None and not self.started[i]:
+            prompt = self.prompts[i]
+            scored = event.prompt_logprobs or [None] * (len(prompt) - 1)  # None: it timed out before its prompt ran
+            piece = Piece(self.echo[i] + piece.text, prompt + piece.token_ids,
+                          ([None, *scored] if self.with_logprobs else []) + piece.logprobs, piece.finish_reason)
+        self.started[i] = True
+        self.whole[i].extend(piece)
+        return i, piece
 
     def usage(self) -> dict:
         return usage(self.prompt_tokens, self.completion_tokens)
@@ -131,8 +169,8 @@ class Choices:
 class OpenAIServer:
     """The routes' logic; `create_app` wires it to FastAPI."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int, request_timeout: float):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int, request_timeout: float):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_model_len, self.request_timeout = max_model_len, request_timeout
 
     async def submit(self, body: SamplingParameters, prompts: list[list[int]]) -> Choices:
@@ -140,14 +178,18 @@ class OpenAIServer:
         if body.model is not None:
             check_model_name(body.model, self.model_name)
         refuse_unsupported(body)
+        options = body.logprob_options()
+        scoring_only = options.get("prompt_top_logprobs") is not None and body.requested_max_tokens() == 0
         flat, configs = [], []
         for prompt in prompts:
             budget = max_new_tokens(body, len(prompt), self.max_model_len)
             for choice in range(body.n):
                 flat.append(prompt)
-                configs.append(sampling_config(body, budget, choice))
+                configs.append(sampling_config(body, 1 if scoring_only else budget, choice))
+        echo = [self.tokenizer.decode(prompt) for prompt in flat] if getattr(body, "echo", False) else None
         try:
-            return Choices(await self.engine.submit(flat, configs), sum(map(len, prompts)))
+            return Choices(await self.engine.submit(flat, configs, **options), flat, sum(map(len, prompts)),
+                           options["top_logprobs"] is not None, echo, scoring_only)
         except QueueFull as e:
             raise APIError(503, f"the server is busy: {e}", type="server_overloaded",
                            headers={"Retry-After": "1"}) from None
@@ -155,7 +197,7 @@ class OpenAIServer:
             raise APIError(400, " ".join(str(e).split())) from None
 
     async def events(self, choices: Choices, request: Request):
-        """(choice index, event) until every choice has finished; ends overdue choices with "length".
+        """(choice index, piece) until every choice has finished; ends overdue choices with "length".
 
         The caller aborts `choices.submitted.ids` in a `finally` (a no-op for finished ones),
         which is what frees the blocks of a client that went away.
@@ -168,8 +210,7 @@ class OpenAIServer:
             if remaining <= 0:  # the time limit: end what is left as max_tokens would
                 self.engine.abort(left)
                 for request_id in sorted(left):
-                    event = GenerationEvent(request_id, [], "", "length")
-                    yield choices.record(event), event
+                    yield choices.record(GenerationEvent(request_id, [], "", "length"))
                 return
             try:
                 item = await asyncio.wait_for(choices.submitted.events.get(), min(remaining, 1.0))
@@ -181,7 +222,7 @@ class OpenAIServer:
                 raise APIError(500, str(item), type="server_error")
             if item.finish_reason is not None:
                 left.discard(item.row)
-            yield choices.record(item), item
+            yield choices.record(item)
 
     async def complete(self, body, prompts: list[list[int]], request: Request, kind: str):
         """The non-streaming answer, or a StreamingResponse; kind is "text_completion" or "chat.completion"."""
@@ -198,28 +239,41 @@ class OpenAIServer:
                 pass
         finally:
             self.engine.abort(choices.submitted.ids)
-        make_choice = completion_choice if kind == "text_completion" else chat_choice
-        return envelope(kind, response_id, self.model_name,
-                        [make_choice(i, text, reason) for i, (text, reason)
-                         in enumerate(zip(choices.texts, choices.reasons))], choices.usage())
+        if kind == "text_completion":
+            answers = [completion_choice(i, whole.text, whole.finish_reason,
+                                         completion_logprobs(whole.token_ids, whole.logprobs, self.tokenizer)
+                                         if choices.with_logprobs else None)
+                       for i, whole in enumerate(choices.whole)]
+        else:
+            answers = [chat_choice(i, whole.text, whole.finish_reason,
+                                   chat_logprobs(whole.logprobs, self.tokenizer) if choices.with_logprobs else None)
+                       for i, whole in enumerate(choices.whole)]
+        return envelope(kind, response_id, self.model_name, answers, choices.usage())
 
     async def completion_chunks(self, body, choices: Choices, request: Request, response_id: str):
-        async for i, event in self.events(choices, request):
-            if event.text or event.finish_reason:
+        text_offsets = [0] * len(choices.whole)  # where each choice's next token begins (logprobs' text_offset)
+        async for i, piece in self.events(choices, request):
+            logprobs = None
+            if choices.with_logprobs:
+                logprobs = completion_logprobs(piece.token_ids, piece.logprobs, self.tokenizer, text_offsets[i])
+                text_offsets[i] += sum(map(len, logprobs["tokens"]))
+            if piece.text or piece.finish_reason or (logprobs and piece.token_ids):
                 yield envelope("text_completion", response_id, self.model_name,
-                               [completion_choice(i, event.text, event.finish_reason)])
+                               [completion_choice(i, piece.text, piece.finish_reason, logprobs)])
         if body.include_usage():
             yield envelope("text_completion", response_id, self.model_name, [], choices.usage())
 
     async def chat_chunks(self, body, choices: Choices, request: Request, response_id: str):
         kind = "chat.completion.chunk"
-        for i in range(len(choices.texts)):
+        for i in range(len(choices.whole)):
             yield envelope(kind, response_id, self.model_name, [chat_delta(i, {"role": "assistant", "content": ""})])
-        async for i, event in self.events(choices, request):
-            if event.text:
-                yield envelope(kind, response_id, self.model_name, [chat_delta(i, {"content": event.text})])
-            if event.finish_reason:
-                yield envelope(kind, response_id, self.model_name, [chat_delta(i, {}, event.finish_reason)])
+        async for i, piece in self.events(choices, request):
+            if piece.text or (choices.with_logprobs and piece.token_ids):
+                logprobs = chat_logprobs(piece.logprobs, self.tokenizer) if choices.with_logprobs else None
+                yield envelope(kind, response_id, self.model_name, [chat_delta(i, {"content": piece.text}, None,
+                                                                               logprobs)])
+            if piece.finish_reason:
+                yield envelope(kind, response_id, self.model_name, [chat_delta(i, {}, piece.finish_reason)])
         if body.include_usage():
             yield envelope(kind, response_id, self.model_name, [], choices.usage())
 
@@ -242,7 +296,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                request_timeout: float = 600.0, max_body_bytes: int = 2**20) -> FastAPI:
     """The FastAPI app serving `engine` (already started) under OpenAI's routes; `metrics` is fed by the engine's
     thread (`AsyncEngine(on_finish=metrics.request_finished)`) and read at /metrics."""
-    server = OpenAIServer(engine, model_name, max_model_len, request_timeout)
+    server = OpenAIServer(engine, tokenizer, model_name, max_model_len, request_timeout)
     app = FastAPI(title="minillm", summary="An OpenAI-compatible server over minillm's continuous-batching engine",
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
