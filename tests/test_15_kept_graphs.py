@@ -109,6 +109,9 @@ def test_the_key_follows_weights_shape_and_settings():
     with torch.no_grad():
         model.blocks[0].mlp.fc.weight[0, 0] += 1  # an in-place write bumps the tensor's version: hashed again
     assert graph_store.graph_key(model, shape, {"autotune": True})["weights_sha256"] != key["weights_sha256"]
+    with torch.inference_mode():  # weights made in inference mode have no version counter, and still get a key
+        frozen = copy.deepcopy(model)
+    assert graph_store.weights_digest(frozen) == graph_store.weights_digest(model)
 
 
 BUILDER = """

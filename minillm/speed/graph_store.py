@@ -108,7 +108,9 @@ def weights_digest(module: torch.nn.Module) -> str:
     was replaced (a quantization swap) or written to.
     """
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    signature = tuple((name, t.data_ptr(), t._version) for name, t in sorted(tensors.items()))
+    # Tensors made under torch.inference_mode keep no version counter: for them the storage alone is the signature.
+    signature = tuple((name, t.data_ptr(), -1 if t.is_inference() else t._version)
+                      for name, t in sorted(tensors.items()))
     kept = module.__dict__.get("_weights_sha256")
     if kept and kept[0] == signature:
         return kept[1]
