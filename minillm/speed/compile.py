@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 import warnings
 import weakref
@@ -74,6 +75,12 @@ class FixedRope:
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
 
 
+def refuse_long_rope(config) -> None:
+    if config.rope_long_factor is not None:
+        raise ValueError("long-RoPE models (Phi-3 with rope_long_factor) pick their RoPE table by the largest "
+                         "position, which a fixed graph cannot do: run this model without compile/export")
+
+
 def graph_ready_copy(model):
     """A copy of `model` that traces as one graph: plain nn.Linear, fixed RoPE tables.
 
@@ -83,9 +90,7 @@ def graph_ready_copy(model):
     switch depends on a value inside the graph.
     """
     config = model.config
-    if config.rope_long_factor is not None:
-        raise ValueError("long-RoPE models (Phi-3 with rope_long_factor) pick their RoPE table by the largest "
-                         "position, which a fixed graph cannot do: run this model without compile/export")
+    refuse_long_rope(config)
     graph_model = use_plain_linear(copy.deepcopy(model))
     if graph_model.rope is not None:
         graph_model.rope = FixedRope(graph_model.rope, config.context_length, model.dtype, model.device)
@@ -164,21 +169,26 @@ class CompiledModel:
         self.graphs = 0  # graphs compiled so far (a recompile adds one)
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
         self.eager_calls = 0
-        graph_model = graph_ready_copy(model)
-        # Attention written out as plain tensor ops (the textbook formula, lesson 16's `naive_attention`):
-        # Inductor fuses its mask, softmax and products with the cache write around it, where SDPA would
-        # stay one opaque library call per layer.
-        set_attention_backend(graph_model, make_backend("naive"))
-        self.step_module = CacheStep(graph_model).eval()
+        refuse_long_rope(model.config)
         self.packages = {}  # StepShape -> PackagedStep, when kept
         self.settings = {"autotune": autotune}  # what else, beside model and shape, changes a kept package
-        if kept:
+        if kept:  # the traced copy is made only if a package must be built: loading one needs no copy
             return
         # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
         # hundreds of attribute checks, about a millisecond per decode step. This module is private to
         # the twin and its weights are frozen into the graph, so the checks on it are skipped.
         self.step = torch.compile(self.step_module, backend=self._backend, fullgraph=True, dynamic=False,
                                   options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    @functools.cached_property
+    def step_module(self) -> CacheStep:
+        """The unit that is traced: a graph-ready copy of the model behind `CacheStep`."""
+        graph_model = graph_ready_copy(self.model)
+        # Attention written out as plain tensor ops (the textbook formula, lesson 16's `naive_attention`):
+        # Inductor fuses its mask, softmax and products with the cache write around it, where SDPA would
+        # stay one opaque library call per layer.
+        set_attention_backend(graph_model, make_backend("naive"))
+        return CacheStep(graph_model).eval()
 
     def prepare(self, shapes, progress: bool = True) -> float:
         """Load (or build, and keep) the packages for these `StepShape`s before the run; the seconds it took.
@@ -194,7 +204,7 @@ class CompiledModel:
                   leave=False) as bar:
             for shape in needed:
                 key = graph_key(self.model, shape, self.settings)
-                self.packages[shape] = load_or_build(self.step_module, shape, key,
+                self.packages[shape] = load_or_build(lambda: self.step_module, shape, key,
                                                      lambda: inductor_settings(self.autotune, self.device),
                                                      progress=bar.set_postfix_str)
                 bar.update()

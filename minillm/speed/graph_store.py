@@ -184,11 +184,11 @@ def entry_problem(folder: Path) -> str | None:
     return problem
 
 
-def load_or_build(step_module, shape: StepShape, key: dict, build_settings, progress=None) -> PackagedStep:
+def load_or_build(make_step, shape: StepShape, key: dict, build_settings, progress=None) -> PackagedStep:
     """The package for `shape`: loaded when its entry is intact, built (and kept) when it is missing or damaged.
 
-    step_module: the `CacheStep` to export; build_settings: a context manager factory setting the
-    compiler's options while it builds; progress: called with a short status line.
+    make_step: gives the `CacheStep` to export (called only to build); build_settings: a context manager
+    factory setting the compiler's options while it builds; progress: called with a short status line.
     """
     folder = entry_folder(key, shape)
     problem = entry_problem(folder)
@@ -202,7 +202,7 @@ def load_or_build(step_module, shape: StepShape, key: dict, build_settings, prog
             return PackagedStep(folder)
         if problem != "missing":
             print(f"minillm: compiled graph {folder.name} is unusable ({problem}): rebuilding it", file=sys.stderr)
-        build_entry(step_module, shape, key, folder, build_settings, progress)
+        build_entry(make_step(), shape, key, folder, build_settings, progress)
     return PackagedStep(folder)
 
 
