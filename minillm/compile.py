@@ -58,11 +58,13 @@ def run(args) -> int:
     for flag, values in (("--batch-size", batches), ("--length", lengths)):
         if min(values) < 1:
             raise ValueError(f"{flag} {min(values)} is invalid: must be >= 1")
-    from .speed.compile import compile_model, decode_shape
+    from .speed.compile import compile_model
+    from .speed.graph_store import StepShape
     from .speed.load import load_model
 
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    shapes = sorted({decode_shape(model, b, n) for b in batches for n in lengths}, key=lambda s: (s.batch, s.cache_len))
+    shapes = sorted({StepShape.decode(model.config, b, n) for b in batches for n in lengths},
+                    key=lambda s: (s.batch, s.cache_len))
     compiled = compile_model(model, kept=True)
     for shape in shapes:
         seconds = compiled.prepare([shape])

@@ -26,8 +26,9 @@ from minillm.model.tiny import tiny_pair
 from minillm.runtime.runner import ModelRunner
 from minillm.runtime.sequence import Sequence
 from minillm.runtime.session import DecodeSession, Tree
-from minillm.speed.compile import CompiledModel, compile_model, context_bucket
+from minillm.speed.compile import CompiledModel, compile_model
 from minillm.speed.export import export_onnx
+from minillm.speed.graph_store import context_bucket
 from minillm.speed.onnx_model import ExportError, OnnxModel
 from minillm.strategies.drafters import PromptLookup
 from minillm.strategies.generate import generate

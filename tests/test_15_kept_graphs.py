@@ -23,7 +23,8 @@ import torch
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.runner import ModelRunner
 from minillm.speed import graph_store
-from minillm.speed.compile import compile_model, decode_shape
+from minillm.speed.compile import compile_model
+from minillm.speed.graph_store import StepShape
 from minillm.strategies.generate import generate
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]
@@ -74,7 +75,7 @@ def test_the_default_uses_a_built_graph_and_only_then(built):
 def test_a_damaged_package_is_rebuilt_not_loaded(built, kept_home, monkeypatch, capsys):
     model = built[0]
     compiled = compile_model(model, kept=True)
-    shape = decode_shape(model, 2, 256)
+    shape = StepShape.decode(model.config, 2, 256)
     (entry,) = (kept_home / "graphs").iterdir()
     package = entry / graph_store.PACKAGE
     good = package.read_bytes()
@@ -101,10 +102,10 @@ def test_a_damaged_package_is_rebuilt_not_loaded(built, kept_home, monkeypatch, 
 
 def test_the_key_follows_weights_shape_and_settings():
     _, model = tiny_pair("llama", context_length=256)
-    shape = decode_shape(model, 1, 100)
+    shape = StepShape.decode(model.config, 1, 100)
     key = graph_store.graph_key(model, shape, {"autotune": True})
     assert graph_store.graph_key(copy.deepcopy(model), shape, {"autotune": True}) == key  # same weights, same key
-    assert graph_store.graph_key(model, decode_shape(model, 2, 100), {"autotune": True}) != key
+    assert graph_store.graph_key(model, StepShape.decode(model.config, 2, 100), {"autotune": True}) != key
     assert graph_store.graph_key(model, shape, {"autotune": False}) != key
     with torch.no_grad():
         model.blocks[0].mlp.fc.weight[0, 0] += 1  # an in-place write bumps the tensor's version: hashed again
@@ -118,10 +119,11 @@ BUILDER = """
 import json, sys, torch
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession
-from minillm.speed.compile import compile_model, decode_shape
+from minillm.speed.compile import compile_model
+from minillm.speed.graph_store import StepShape
 _, model = tiny_pair("llama", context_length=256)
 compiled = compile_model(model, autotune=False, kept=True)
-seconds = compiled.prepare([decode_shape(model, 1, 256)], progress=False)
+seconds = compiled.prepare([StepShape.decode(model.config, 1, 256)], progress=False)
 session = DecodeSession(compiled, "static", max_len=256, fixed_shape=True)
 with torch.inference_mode():
     logits, tokens = session.prefill([[5, 6, 7]]), []

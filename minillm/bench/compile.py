@@ -31,8 +31,9 @@ import time
 
 import torch
 
-from ..speed.compile import compile_model, decode_shape
+from ..speed.compile import compile_model
 from ..speed.export import export_onnx
+from ..speed.graph_store import StepShape
 from ..speed.onnx_model import OnnxModel
 from ..strategies.generate import generate
 from .batch import TEXT
@@ -144,7 +145,7 @@ def run(args) -> dict:
         hf_model.generation_config.eos_token_id = None
         # The kept decode graph, loaded (or built once) before anything is timed, as the command line does it.
         compiled = compile_model(model, kept=True)
-        load_seconds = compiled.prepare([decode_shape(model, 1, prompt_tokens + new_tokens)])
+        load_seconds = compiled.prepare([StepShape.decode(model.config, 1, prompt_tokens + new_tokens)])
         (package,) = compiled.packages.values()
         with tempfile.TemporaryDirectory() as tmp:
             runner, onnx_costs = export_and_load(model, f"{tmp}/graphs", context, chunk)

@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
-from ..speed.compile import compile_model, decode_graph_built, decode_shape
+from ..speed.compile import compile_model
+from ..speed.graph_store import StepShape
 from ..speed.onnx_model import OnnxModel, OnnxSession
 from .sequence import Sequence
 from .session import DecodeSession, Tree
@@ -56,8 +57,9 @@ class ModelRunner:
             raise ValueError(f"graph={graph!r} is invalid: use one of {', '.join(GRAPHS)}")
         exported = isinstance(model, OnnxModel)
         if graph == "auto":  # the compiled decode graph when one is already built for this run, else eager
-            graph = "compiled" if (cache == "static" and isinstance(model, torch.nn.Module)
-                                   and decode_graph_built(model, max_batch, max_len)) else "eager"
+            built = (cache == "static" and isinstance(model, torch.nn.Module)
+                     and compile_model(model, kept=True).is_built(StepShape.decode(model.config, max_batch, max_len)))
+            graph = "compiled" if built else "eager"
         if graph == "compiled" and cache != "static":
             raise ValueError(f"compiled graphs run over the static cache, not cache={cache!r}: use cache='static'")
         if graph == "onnx" and not exported or exported and (graph == "compiled" or cache != "static"):
@@ -77,7 +79,7 @@ class ModelRunner:
             return
         if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already built
             compiled = compile_model(model, kept=True)
-            shape = decode_shape(model, max_batch, max_len)
+            shape = StepShape.decode(model.config, max_batch, max_len)
             self.session = DecodeSession(compiled, cache, shape.cache_len, max_batch, fixed_shape=True)
             self.build_seconds = compiled.prepare([shape])
         else:

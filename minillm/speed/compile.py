@@ -190,6 +190,10 @@ class CompiledModel:
         set_attention_backend(graph_model, make_backend("naive"))
         return CacheStep(graph_model).eval()
 
+    def is_built(self, shape: StepShape) -> bool:
+        """Whether a kept package for `shape` is on disk, so `prepare` would load rather than build it."""
+        return is_built(self.model, shape, self.settings)
+
     def prepare(self, shapes, progress: bool = True) -> float:
         """Load (or build, and keep) the packages for these `StepShape`s before the run; the seconds it took.
 
@@ -234,18 +238,13 @@ class CompiledModel:
         """Run the step; in this process's torch.compile mode, a call that compiled a graph adds its wall time
         to `compile_seconds`. args: `CacheStep.forward`'s."""
         if self.kept:
-            return self.packages[self.shape_of(*args)](*args)
+            return self.packages[StepShape.of_step(*args)](*args)
         graphs, start = self.graphs, time.perf_counter()
         with inductor_settings(self.autotune, self.device):  # set while the step runs: a graph compiles on its first call
             out = self.step(*args)
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - start
         return out
-
-    @staticmethod
-    def shape_of(tokens, positions, columns, mask, logits_at, keys, values):
-        B, T, S = mask.shape
-        return StepShape(B, T, S, T if logits_at is None else logits_at.shape[1])
 
     def __call__(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
         """The model's forward (see `Transformer.forward`); `packed` batches are not supported."""
@@ -267,7 +266,7 @@ class CompiledModel:
         # One tensor per layer, not the [n_layer, ...] storage they are views of: written through a view of
         # one big input, the compiled graph would copy every layer's keys out and back each step.
         keys, values = cache.k_layers, cache.v_layers
-        if T == 1 and (not self.kept or self.shape_of(*step, None, keys, values) in self.packages):
+        if T == 1 and (not self.kept or StepShape.of_step(*step, None, keys, values) in self.packages):
             logits = self._timed(*step, None, keys, values)[:B]
         else:
             logits = self._chunked(*step, last_only, logits_at, keys, values, cache)
@@ -299,7 +298,8 @@ class CompiledModel:
             wanted = torch.cat((wanted, wanted[-1:].expand(B - len(wanted), -1)))  # the spare rows' too
         else:
             wanted = None  # every position: logits for each whole chunk
-        if self.kept and StepShape(B, C, cache.max_len, C if wanted is None else wanted.shape[1]) not in self.packages:
+        if self.kept and StepShape.of_step(*(t[:, :C] for t in (tokens, positions, columns, mask)), wanted, keys,
+                                           values) not in self.packages:
             return None  # no graph was built for this shape: the eager forward over the same cache
         if pad:
             ahead = torch.arange(1, pad + 1, device=tokens.device)
@@ -377,27 +377,6 @@ def inductor_settings(autotune: bool, device):
         yield
 
 
-def decode_shape(model, batch: int, max_len: int | None):
-    """The decode graph's `StepShape` for `batch` rows of up to `max_len` tokens (None: the whole context)."""
-    context = model.config.context_length
-    return StepShape(batch, 1, context_bucket(max_len or context, context), 1)
-
-
-def decode_graph_built(model, batch: int, max_len: int | None, autotune: bool = True) -> bool:
-    """Whether the kept decode graph for this model, batch and length is on disk, ready to load."""
-    return is_built(model, decode_shape(model, batch, max_len), {"autotune": autotune})
-
-
-SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
-
-
-def context_bucket(tokens: int, context_length: int) -> int:
-    """The fixed cache length for a run of `tokens` tokens: the next power of two (at least SMALLEST_BUCKET),
-    capped at the model's context. A power of two from 256 up is a multiple of the usual chunk lengths, so
-    a prompt's padded last chunk still fits."""
-    return min(context_length, max(SMALLEST_BUCKET, 1 << (tokens - 1).bit_length()))
-
-
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -417,5 +396,5 @@ def compile_model(model, chunk: int = 64, autotune: bool = True, kept: bool = Fa
     return per_model[chunk, autotune, kept]
 
 
-__all__ = ["CompiledModel", "ColumnWrites", "FixedRope", "compile_model", "context_bucket", "decode_graph_built",
-           "decode_shape", "graph_forward", "graph_ready_copy", "spare_rows_fed"]
+__all__ = ["CompiledModel", "ColumnWrites", "FixedRope", "compile_model", "graph_forward", "graph_ready_copy",
+           "spare_rows_fed"]

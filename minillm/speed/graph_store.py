@@ -70,6 +70,18 @@ class StepShape:
         kind = "decode" if self.tokens == 1 else "prefill" if self.logits == 1 else "verify"
         return f"{kind}-b{self.batch}-t{self.tokens}-s{self.cache_len}"
 
+    @classmethod
+    def of_step(cls, tokens, positions, columns, mask, logits_at, keys, values) -> "StepShape":
+        """The shape of a call with `CacheStep.forward`'s arguments (mask: [B, T, S]; logits_at: [B, K] or None)."""
+        B, T, S = mask.shape
+        return cls(B, T, S, T if logits_at is None else logits_at.shape[1])
+
+    @classmethod
+    def decode(cls, config, batch: int, max_len: int | None) -> "StepShape":
+        """The decode step for `batch` rows of up to `max_len` tokens (None: the whole context)."""
+        context = config.context_length
+        return cls(batch, 1, context_bucket(max_len or context, context), 1)
+
     def example_inputs(self, config, dtype: torch.dtype, device) -> tuple:
         """Inputs of `CacheStep.forward` with these shapes (their values only need to be valid)."""
         B, T, S = self.batch, self.tokens, self.cache_len
@@ -81,6 +93,16 @@ class StepShape:
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         return tokens, columns.clone(), columns, mask, logits_at, keys, values
+
+
+SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
+
+
+def context_bucket(tokens: int, context_length: int) -> int:
+    """The fixed cache length for a run of `tokens` tokens: the next power of two (at least SMALLEST_BUCKET),
+    capped at the model's context. A power of two from 256 up is a multiple of the usual chunk lengths, so
+    a prompt's padded last chunk still fits."""
+    return min(context_length, max(SMALLEST_BUCKET, 1 << (tokens - 1).bit_length()))
 
 
 class PackagedStep:
@@ -161,7 +183,12 @@ def graph_key(model, shape: StepShape, settings: dict) -> dict:
 
 
 def is_built(model, shape: StepShape, settings: dict) -> bool:
-    """Whether an intact package for this model, shape and settings is on disk (nothing is built or loaded)."""
+    """Whether an intact package for this model, shape and settings is on disk (nothing is built or loaded).
+
+    With no package of this shape at all (every eager start before a first build) it says so without
+    hashing the weights (a few hundred ms for the default model)."""
+    if not any((minillm_home() / "graphs").glob(f"{shape.name}-*")):
+        return False
     return entry_problem(entry_folder(graph_key(model, shape, settings), shape)) is None
 
 
@@ -233,5 +260,5 @@ def build_entry(step_module, shape: StepShape, key: dict, folder: Path, build_se
         remove(built)
 
 
-__all__ = ["PackagedStep", "StepShape", "entry_folder", "entry_problem", "graph_key", "is_built", "load_or_build",
-           "machine_code", "source_digest", "weights_digest"]
+__all__ = ["PackagedStep", "SMALLEST_BUCKET", "StepShape", "context_bucket", "entry_folder", "entry_problem",
+           "graph_key", "is_built", "load_or_build", "machine_code", "source_digest", "weights_digest"]
