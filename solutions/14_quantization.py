@@ -39,14 +39,26 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 # ------------------------------------------------------------------ Exercise 3
 
 
+def e2m1_tie_predictions() -> dict[float, float]:
+    """Exercise 3: One MXFP4 block, ties to even"""
+    # Each tie sits between an even code and an odd one; the even one wins, so ties alternate:
+    #   0.25: 0 (000) or 0.5 (001)  -> 0, down      0.75: 0.5 (001) or 1 (010) -> 1, up
+    #   1.25: 1 (010) or 1.5 (011)  -> 1, down      1.75: 1.5 (011) or 2 (100) -> 2, up
+    #   2.5:  2 (100) or 3 (101)    -> 2, down      3.5:  3 (101) or 4 (110)   -> 4, up
+    #   5:    4 (110) or 6 (111)    -> 4, down
+    return {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
+
+
 def mxfp4_quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
-    """Exercise 3: One MXFP4 block"""
-    scale = 2.0 ** (torch.floor(torch.log2(x.abs().max())) - 2)
-    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
-    magnitude = (x.abs() / scale).clamp(max=6)
-    nearest = grid[(magnitude[:, None] - grid[None, :]).abs().argmin(dim=1)]
+    """Exercise 3: One MXFP4 block, ties to even"""
+    shared = torch.frexp(x.abs().max())[1] - 1 - 2  # floor(log2 max|x|) − emax, exactly (log2 can round up)
+    scale = 2.0 ** shared.item()
+    a = (x / scale).abs()  # the block's max is now in [4, 8)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))  # E2M1's spacing in a's binade
+    nearest = (torch.round(a / step) * step).clamp(max=6)  # a / step counts steps from 0: round half to even
     return torch.sign(x) * nearest * scale
-    # The max lands in [4, 8) after scaling, so values above 6 saturate: MXFP4's price for a power-of-two scale.
+    # a / step counts steps from 0, and that count's parity is the code's last bit (4 = 2 steps of 2: code 110), so
+    # rounding the count half to even is ties to even. Values past 6 saturate: the price of a power-of-two scale.
 
 
 # ------------------------------------------------------------------ Exercise 4

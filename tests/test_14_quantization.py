@@ -1,34 +1,38 @@
 """Lesson 14: quantized linears equal their dequantize-then-F.linear references; the GGUF's Q4_1 blocks run
-natively and equal the dequantized model; block and MX codecs against gguf.quants, brute force and hand tables."""
+natively and equal the dequantized model; block codecs against gguf.quants; MX codecs bit-exact against ml_dtypes,
+torch's float8 casts, brute force and hand tables, ties included."""
 
 from __future__ import annotations
 
 import copy
 import itertools
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from minillm.model.config import ModelConfig
 from minillm.model.transformer import Transformer, causal_positions, init_weights
 from minillm.speed.mx import (
-    E2M1,
-    E2M3,
-    E3M2,
-    E4M3,
+    MX_FORMATS,
     SHARED_MICROEXPONENT,
     apply_mx_to_weights,
     bits_per_weight,
-    element_bits,
-    element_value,
+    microexponent_decode,
+    microexponent_encode,
     mx_decode,
     mx_encode,
+    pack_fp4,
     quantize_dequantize,
-    shared_microexponent_quantize,
+    scale_values,
+    unpack_fp4,
 )
+from minillm.speed.mx_elements import E2M1, E2M3, E3M2, E4M3, E5M2, INT8, finite_grid
 from minillm.speed.quality import compare_models, held_out_tokens
 from minillm.speed.quant import (
     DynamicInt8Linear,
@@ -213,40 +217,122 @@ def test_q4_1_blocks_run_natively_code_for_code():
     assert relative_error(linear(x), x @ reference.T) < 1e-6
 
 
-# ------------------------------------------------------------------ MX codecs
+# ------------------------------------------------------------------ MX codecs: elements against ml_dtypes and torch
+
+# Independent references: ml_dtypes' casts (round to nearest even; every OCP element format), torch's float8 casts,
+# and a brute-force nearest-even search over each format's enumerated values.
+ML_DTYPES = {"E2M1": "float4_e2m1fn", "E2M3": "float6_e2m3fn", "E3M2": "float6_e3m2fn", "E4M3": "float8_e4m3fn",
+             "E5M2": "float8_e5m2"}
+FLOAT_ELEMENTS = [E2M1, E2M3, E3M2, E4M3, E5M2]
+FORMAT_OF = {element.name: fmt for fmt, element in MX_FORMATS.items()}
+
+
+def ml_dtype(element):
+    return getattr(ml_dtypes, ML_DTYPES[element.name])
+
+
+def reference_codes(values: np.ndarray, element) -> np.ndarray:
+    """ml_dtypes' bit patterns for `values` after saturating at the largest element (ml_dtypes' E4M3 would give NaN,
+    its E5M2 inf); for INT8, numpy's round-half-even of x·64."""
+    clipped = np.clip(values.astype(np.float32), -element.max_value, element.max_value)
+    if element is INT8:
+        return np.rint(clipped * 64).astype(np.int8).view(np.uint8)
+    return clipped.astype(ml_dtype(element)).view(np.uint8)
 
 
 def nearest_by_brute_force(values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Each value -> the nearest entry of `table` (ascending magnitudes), ties to the entry with an even code."""
+    """Each value -> the nearest entry of `table` (ascending, entry i has code i), ties to the one with an even code."""
     distance = (values[:, None] - table[None, :]).abs()
-    best = distance.min(dim=1, keepdim=True).values
-    candidates = distance == best
-    codes = torch.arange(len(table))
-    even_tie = candidates & (codes % 2 == 0)
+    candidates = distance == distance.min(dim=1, keepdim=True).values
+    even_tie = candidates & (torch.arange(len(table)) % 2 == 0)
     return table[torch.where(even_tie.any(1), even_tie.float().argmax(1), candidates.float().argmax(1))]
 
 
-@pytest.mark.parametrize("element", [E4M3, E3M2, E2M3, E2M1], ids=lambda e: e.name)
-def test_mx_elements_round_to_the_nearest_code_found_by_brute_force(element):
-    positive_codes = torch.arange(2 ** (element.bits - 1), dtype=torch.uint8)
-    table = element_value(positive_codes, element)
-    table = table[table <= element.max_value]  # E4M3's top code is NaN
-    assert torch.equal(element_bits(table, element), positive_codes[: len(table)])  # codes round-trip
-    fmt = {"E4M3": "mxfp8", "E3M2": "mxfp6_e3m2", "E2M3": "mxfp6_e2m3", "E2M1": "mxfp4"}[element.name]
-    x = torch.randn(64, 32) * torch.logspace(-3, 1, 64)[:, None]
+def every_tie(element) -> torch.Tensor:
+    """The midpoints between neighbouring elements, with both signs: the values ties-to-even decides."""
+    table, _ = finite_grid(element)
+    middles = (table[1:] + table[:-1]) / 2
+    return torch.cat([middles, -middles])
+
+
+@pytest.mark.parametrize("element", FLOAT_ELEMENTS, ids=lambda e: e.name)
+def test_every_element_code_decodes_as_ml_dtypes_does(element):
+    codes = np.arange(2 ** element.bits, dtype=np.uint8)
+    expected = codes.view(ml_dtype(element)).astype(np.float32)  # E4M3's NaN, E5M2's inf and NaN included
+    assert np.array_equal(element.decode(torch.from_numpy(codes)).numpy(), expected, equal_nan=True)
+    finite = np.isfinite(expected)
+    assert np.array_equal(element.encode(torch.from_numpy(expected[finite])).numpy(), codes[finite])  # −0 too
+    assert element.max_value == float(ml_dtypes.finfo(ml_dtype(element)).max)
+
+
+@pytest.mark.parametrize("element", [*FLOAT_ELEMENTS, INT8], ids=lambda e: e.name)
+def test_element_rounding_is_bit_exact_on_ties_and_everywhere_else(element):
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(20_000, generator=gen) * torch.exp2(torch.empty(20_000).uniform_(-12, 10, generator=gen))
+    values = torch.cat([every_tie(element), spread, torch.tensor([0.0, -0.0, 1e30, -1e30])])
+    codes = element.encode(element.round(values))
+    assert np.array_equal(codes.numpy(), reference_codes(values.numpy(), element))
+    table, _ = finite_grid(element)
+    expected = nearest_by_brute_force(values.abs().clamp(max=element.max_value), table) * values.sign()
+    assert torch.equal(element.round(values), expected)
+
+
+@pytest.mark.parametrize("element,dtype", [(E4M3, torch.float8_e4m3fn), (E5M2, torch.float8_e5m2)],
+                         ids=["E4M3", "E5M2"])
+def test_fp8_rounding_equals_torch_casts(element, dtype):
+    values = torch.cat([every_tie(element), torch.randn(10_000) * 100])
+    expected = values.clamp(-element.max_value, element.max_value).to(dtype).float()
+    assert torch.equal(element.round(values), expected)
+
+
+def test_e2m1_ties_go_to_the_even_code():
+    """Halfway between two E2M1 values, the one whose last mantissa bit is 0 wins: up as often as down."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    even = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # codes 0000 0010 0010 0100 0100 0110 0110
+    assert torch.equal(E2M1.round(ties), even) and torch.equal(E2M1.round(-ties), -even)
+    assert E2M1.encode(E2M1.round(ties)).tolist() == [0, 2, 2, 4, 4, 6, 6]
+    assert E2M1.round(torch.tensor([6.9, 7.0, 100.0])).tolist() == [6.0, 6.0, 6.0]  # saturates
+    assert E2M1.encode(E2M1.round(torch.tensor([-0.2]))).item() == 0b1000  # −0: keeps the sign, as IEEE
+    assert INT8.round(torch.tensor([0.5, 1.5, 2.5, -1.5]) / 64).mul(64).tolist() == [0.0, 2.0, 2.0, -2.0]
+
+
+# ------------------------------------------------------------------ MX codecs: blocks
+
+
+def reference_block(block: np.ndarray, element) -> tuple[int, np.ndarray]:
+    """One OCP MX block by the spec, in numpy and ml_dtypes: (E8M0 byte, element codes)."""
+    amax = np.abs(block).max()
+    exponent = int(np.clip(np.frexp(amax)[1] - 1 - element.emax, -127, 127)) if amax > 0 else -127
+    scale = np.float32(2.0 ** exponent).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+    return int(scale), reference_codes(block / np.float32(2.0 ** exponent), element)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=32, max_size=32),
+       st.sampled_from(sorted(MX_FORMATS)))
+def test_mx_blocks_equal_the_spec_computed_independently(values, fmt):
+    x = torch.tensor([values])
     codes, scales = mx_encode(x, fmt)
-    scale = torch.exp2(scales.float() - 127)  # [64, 1]
-    scaled = (x / scale).flatten()
-    expected = nearest_by_brute_force(scaled.abs().clamp(max=element.max_value), table) * scaled.sign()
-    assert torch.equal(mx_decode(codes, scales, fmt), (expected.reshape(64, 32) * scale))
+    scale, expected = reference_block(x.numpy()[0], MX_FORMATS[fmt])
+    assert scales.item() == scale and np.array_equal(codes.numpy()[0], expected)
+    assert torch.equal(mx_decode(codes, scales, fmt), quantize_dequantize(x, fmt))
+
+
+def test_e8m0_scales_are_ml_dtypes_e8m0():
+    codes = np.arange(256, dtype=np.uint8)
+    decoded = scale_values(torch.from_numpy(codes)).numpy()
+    assert np.array_equal(decoded, codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), equal_nan=True)
 
 
 MX_EDGES = {  # format: [(input with block max 1 unless noted, expected decoded value)], worked out by hand
     # E4M3, shared scale 2^(0 - 8): elements hold x·256; smallest subnormal 2^-9 -> x = 2^-17
     "mxfp8": [(1.0, 1.0), (0.0, 0.0), (2.0 ** -17, 2.0 ** -17), (2.0 ** -18, 0.0), (1.5 * 2.0 ** -17, 2.0 ** -16),
               (1.74, 1.75), (-0.3, -0.3125)],
-    # E2M1, scale 2^(0 - 2): elements x·4 in {0, .5, 1, 1.5, 2, 3, 4, 6}; 1.9 -> 7.6 saturates at 6 -> 1.5
-    "mxfp4": [(1.0, 1.0), (1.9, 1.5), (0.0625, 0.0), (0.1875, 0.25), (0.3125, 0.25), (-0.7, -0.75)],
+    # E5M2, scale 2^(0 - 15): x·2^15; two mantissa bits: 1.375 is halfway between 1.25 (01) and 1.5 (10)
+    "mxfp8_e5m2": [(1.0, 1.0), (1.3, 1.25), (1.375, 1.5), (1.125, 1.0), (2.0 ** -31, 2.0 ** -31), (2.0 ** -33, 0.0)],
+    # E2M1, scale 2^(0 - 2): elements x·4 in {0, .5, 1, 1.5, 2, 3, 4, 6}; 1.9 -> 7.6 saturates at 6 -> 1.5;
+    # 0.1875 -> 0.75 and 0.875 -> 3.5 are ties: up to the even codes 1.0 and 4.0
+    "mxfp4": [(1.0, 1.0), (1.9, 1.5), (0.0625, 0.0), (0.1875, 0.25), (0.3125, 0.25), (-0.7, -0.75), (0.875, 1.0)],
     # E3M2, scale 2^(0 - 4): x·16; largest 28 -> 1.75; smallest subnormal 2^-4 -> 2^-8
     "mxfp6_e3m2": [(1.0, 1.0), (1.99, 1.75), (2.0 ** -8, 2.0 ** -8), (2.0 ** -10, 0.0)],
     # E2M3, scale 2^(0 - 2): x·4; largest 7.5 -> 1.875; smallest subnormal 0.125 -> 2^-5
@@ -266,7 +352,7 @@ def test_mx_edge_values_match_hand_computed_tables(fmt):
     assert out[0, : len(inputs)].tolist() == list(expected)
     assert torch.equal(mx_decode(*mx_encode(block, fmt), fmt), out)  # through the bit patterns: the same
     codes, scales = mx_encode(torch.zeros(1, 32), fmt)
-    assert (codes == 0).all() and mx_decode(codes, scales, fmt).eq(0).all()  # zero block: +0 everywhere
+    assert (codes == 0).all() and scales.item() == 0 and mx_decode(codes, scales, fmt).eq(0).all()  # zero block
     for bad in (float("nan"), float("inf")):
         codes, scales = mx_encode(torch.tensor([[bad] + [1.0] * 31]), fmt)
         assert scales.item() == 255 and mx_decode(codes, scales, fmt).isnan().all()
@@ -275,21 +361,40 @@ def test_mx_edge_values_match_hand_computed_tables(fmt):
 
 def test_mx_scale_is_e8m0_and_largest_finite_round_trips():
     assert mx_encode(torch.full((1, 32), 448.0 * 2.0 ** 20), "mxfp8")[1].item() == 127 + 20
+    assert mx_encode(torch.full((1, 32), 2.0 ** -140), "mxfp4")[1].item() == 0  # e = −142 clamps to −127
     assert quantize_dequantize(torch.full((1, 32), 448.0), "mxfp8").eq(448.0).all()
     assert quantize_dequantize(torch.full((1, 32), 6.0), "mxfp4").eq(6.0).all()
-    assert bits_per_weight("mxfp4") == 4.25 and bits_per_weight("mx6") == 6 and bits_per_weight("mx9") == 9
+    assert [bits_per_weight(f) for f in ("mxfp4", "mxfp6_e2m3", "mxfp8_e5m2", "mxint8")] == [4.25, 6.25, 8.25, 8.25]
+    assert [bits_per_weight(f) for f in ("mx4", "mx6", "mx9")] == [4, 6, 9]
 
 
-def test_mxfp4_bytes_match_gguf():
-    """gguf's MXFP4 block: an E8M0 byte, then 16 bytes of E2M1 codes, element i low nibble of byte i."""
+def test_fp4_codes_pack_two_per_byte():
+    codes, _ = mx_encode(torch.randn(3, 64), "mxfp4")
+    packed = pack_fp4(codes)
+    assert packed.shape == (3, 32) and torch.equal(unpack_fp4(packed), codes)
+    assert pack_fp4(torch.tensor([0b0001, 0b1010], dtype=torch.uint8)).item() == 0b1010_0001  # first in the low nibble
+
+
+def test_mxfp4_bytes_match_gguf_except_on_ties():
+    """gguf's MXFP4 block: an E8M0 byte, then 16 bytes of E2M1 codes, element i low nibble of byte i (i + 16 high).
+
+    gguf picks each element by an argmin over its table, so a tie goes to the smaller magnitude, and a negative
+    value that rounds to zero is stored as +0: off ties, and with −0 read as +0, the bytes are the same.
+    """
     from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
+    from gguf.quants import dequantize, quantize
 
     x = torch.randn(8, 64) * 3
     codes, scales = mx_encode(x, "mxfp4")
-    c = codes.reshape(8, 2, 32).numpy()
+    c = torch.where(codes == 0b1000, 0, codes).reshape(8, 2, 32).numpy()  # −0 -> +0
     ours = np.concatenate([scales.numpy()[..., None], (c[..., :16] | (c[..., 16:] << 4)).astype(np.uint8)], axis=-1)
     assert np.array_equal(ours.reshape(8, -1), quantize(x.numpy(), GGMLQuantizationType.MXFP4))
+    tie = torch.tensor([[3.5] + [4.0] * 31])  # scale 2^0: 3.5 is halfway between 3 and 4
+    theirs = dequantize(quantize(tie.numpy(), GGMLQuantizationType.MXFP4), GGMLQuantizationType.MXFP4)
+    assert theirs[0, 0] == 3.0 and quantize_dequantize(tie, "mxfp4")[0, 0] == 4.0  # gguf down, the spec to even
+
+
+# ------------------------------------------------------------------ MX9 / MX6 / MX4
 
 
 @pytest.mark.parametrize("fmt", list(SHARED_MICROEXPONENT))
@@ -297,18 +402,35 @@ def test_shared_microexponent_formats_against_brute_force(fmt):
     m = SHARED_MICROEXPONENT[fmt]
     x = torch.randn(4, 32) * torch.tensor([1e-3, 1.0, 7.0, 100.0])[:, None]
     x[0, 2:16] *= 0.01  # pairs far below the block max take the extra bit
-    out = shared_microexponent_quantize(x, fmt)
+    out = quantize_dequantize(x, fmt)
+    codes, micro, shared = microexponent_encode(x, fmt)
+    assert torch.equal(microexponent_decode(codes, micro, shared, fmt), out)
+    assert codes.shape == (4, 32) and micro.shape == (4, 16) and shared.shape == (4, 2)
     for row, block in itertools.product(range(4), range(2)):
         values = x[row, 16 * block: 16 * block + 16]
         e = torch.floor(torch.log2(values.abs().max()))
+        assert shared[row, block] == e + 127
         for pair in range(8):
             v = values[2 * pair: 2 * pair + 2]
             beta = 1 if v.abs().max() < 2 ** e else 0
+            assert micro[row, 8 * block + pair] == beta
             grid = torch.arange(-(2 ** m - 1), 2 ** m) * 2.0 ** (e - beta - (m - 1))  # every representable value
             for i in range(2):
                 index = 16 * block + 2 * pair + i
                 nearest = grid[(grid - v[i]).abs().argmin()]  # no ties on random data
                 assert out[row, index] == nearest, (row, index)
+
+
+def test_mx6_block_by_hand():
+    """MX6 (m = 4): block max 1.5 -> E = 0; a pair below 1 gets β = 1, step 2^(0 − 1 − 3) = 1/16, else 1/8."""
+    x = torch.zeros(1, 16)
+    x[0, :6] = torch.tensor([1.5, 0.3, 0.40625, -0.09375, 1.0, 0.0])  # pairs (1.5, .3) (.40625, −.09375) (1, 0)
+    codes, micro, shared = microexponent_encode(x, "mx6")
+    assert shared.item() == 127 and micro[0, :3].tolist() == [0, 1, 0]
+    # 0.3 / (1/8) = 2.4 -> 2; 0.40625 / (1/16) = 6.5 -> 6 (tie, even); −0.09375 / (1/16) = −1.5 -> −2 (tie, even)
+    assert quantize_dequantize(x, "mx6")[0, :4].tolist() == [1.5, 0.25, 0.375, -0.125]
+    assert codes[0, :4].tolist() == [12, 2, 6, 0b10000 | 2]  # sign bit above the 4 magnitude bits
+    assert quantize_dequantize(torch.full((1, 16), 1.99), "mx6").eq(1.875).all()  # q saturates at 15
 
 
 # ------------------------------------------------------------------ on the real model

@@ -36,12 +36,29 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     raise NotImplementedError
 
 
-def mxfp4_quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
-    """Exercise 3: One MXFP4 block
+def e2m1_tie_predictions() -> dict[float, float]:
+    """Exercise 3: One MXFP4 block, ties to even
 
-    x [32] (finite, not all zero). The block shares a scale X = 2^(floor(log2 max|x|) − 2) (2 is E2M1's
-    largest exponent); each x / X is rounded to the nearest E2M1 value ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}
-    (beyond 6: 6). Return the decoded block X · P [32].
+    Part 1, predict. Each value below lies exactly halfway between two E2M1 magnitudes. OCP MX rounds
+    to nearest, ties to even: a tie goes to the neighbour whose code ends in 0. The codes:
+
+        0 -> 000   0.5 -> 001   1 -> 010   1.5 -> 011   2 -> 100   3 -> 101   4 -> 110   6 -> 111
+
+    Write down by hand, without running any rounding code, what each tie becomes, as
+    {0.25: ..., 0.75: ..., 1.25: ..., 1.75: ..., 2.5: ..., 3.5: ..., 5.0: ...}. Which go up, which down?
+    """
+    raise NotImplementedError
+
+
+def mxfp4_quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
+    """Exercise 3: One MXFP4 block, ties to even
+
+    Part 2, build. x [32] (finite, not all zero). The block shares a scale X = 2^(floor(log2 max|x|) − 2)
+    (2 is E2M1's largest exponent); each x / X rounds to the nearest E2M1 value ±{0, 0.5, 1, 1.5, 2, 3, 4, 6},
+    ties to even as you predicted, and beyond 6 saturates at 6. Return the decoded block X · P [32].
+
+    Hint: an argmin over the eight values breaks ties towards the first one, always down. Instead, scale each
+    value by the spacing of its binade (0.5 below 2, 1 in [2, 4), 2 from 4 on): torch.round rounds half to even.
     """
     raise NotImplementedError
 

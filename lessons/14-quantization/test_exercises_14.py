@@ -1,6 +1,7 @@
 """Checks for lesson 14's exercises: `pytest lessons/14-quantization` (yours) or `--solutions`.
 
-References: the `gguf` package's own Q4_1 and MXFP4 codecs, PyTorch's int4 kernel, and F.cross_entropy.
+References: the `gguf` package's Q4_1 codec, PyTorch's int4 kernel, ml_dtypes' E2M1 (round to nearest even), and
+F.cross_entropy.
 """
 
 from __future__ import annotations
@@ -42,18 +43,37 @@ def test_exercise_2_int4_groups_run_on_the_kernel(answers, group_size):
     torch.testing.assert_close(out, x @ rebuilt.T, rtol=1e-5, atol=1e-5)
 
 
-def test_exercise_3_an_mxfp4_block_matches_gguf(answers):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+E2M1_TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 
+
+def mxfp4_by_ml_dtypes(x: np.ndarray) -> np.ndarray:
+    """The spec's MXFP4 block, with ml_dtypes' E2M1 cast (round to nearest, ties to even) as the rounding."""
+    import ml_dtypes
+
+    scale = np.float32(2.0 ** (np.frexp(np.abs(x).max())[1] - 1 - 2))
+    return np.clip(x / scale, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32) * scale
+
+
+def test_exercise_3_predict_which_ties_round_up(answers):
+    import ml_dtypes
+
+    predicted = answers.e2m1_tie_predictions()
+    assert sorted(predicted) == E2M1_TIES, f"predict these ties: {E2M1_TIES}"
+    rounded = np.array(E2M1_TIES, np.float32).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    wrong = {tie: float(right) for tie, right in zip(E2M1_TIES, rounded) if predicted[tie] != right}
+    assert not wrong, f"these ties go the other way (tie: what it rounds to): {wrong}"
+
+
+def test_exercise_3_an_mxfp4_block_rounds_ties_to_even(answers):
     gen = torch.Generator().manual_seed(3)
-    for spread in (1e-3, 1.0, 50.0):
-        x = torch.randn(8, 32, generator=gen) * spread
-        x[0, 0] = 7.9 * x[0].abs().max()  # a block whose max saturates at 6 after scaling
-        expected = dequantize(quantize(x.numpy(), GGMLQuantizationType.MXFP4), GGMLQuantizationType.MXFP4)
-        for row in range(8):
-            got = answers.mxfp4_quantize_dequantize(x[row])
-            assert torch.equal(got.float(), torch.from_numpy(expected[row]))
+    blocks = [torch.randn(32, generator=gen) * spread for spread in (1e-3, 1.0, 50.0)]
+    saturating = torch.randn(32, generator=gen)
+    saturating[0] = 7.9 * saturating.abs().max()  # a block whose max saturates at 6 after scaling
+    ties = torch.tensor(E2M1_TIES * 2 + [6.0, 0.5] * 9) * 2.0 ** -5  # every tie, both signs, scale 2^-5
+    ties[7:14] *= -1
+    for block in [*blocks, saturating, ties]:
+        got = answers.mxfp4_quantize_dequantize(block.clone())
+        assert torch.equal(got.float(), torch.from_numpy(mxfp4_by_ml_dtypes(block.numpy())))
 
 
 def test_exercise_4_perplexity_equals_exp_cross_entropy(answers):

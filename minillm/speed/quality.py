@@ -52,7 +52,8 @@ def compare_models(models: dict, reference, tokens: list[int], window: int = 102
     kl = dict.fromkeys(models, 0.0)
     agree = dict.fromkeys(models, 0)
     count = 0
-    for chunk in tqdm(windows(tokens, window), desc=desc, unit="window", leave=False):
+    chunks = windows(tokens, window)
+    for chunk in tqdm(chunks, desc=desc, unit="window", leave=False, disable=len(chunks) < 2):
         positions = torch.arange(chunk.shape[1])[None]
         targets = chunk[0, 1:]
         ref = F.log_softmax(reference(chunk, positions)[0, :-1].float(), dim=-1)  # [T - 1, V]
