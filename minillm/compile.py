@@ -34,18 +34,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most tokens a row holds, prompt plus generated (repeatable; default 256); rounded up "
                         "to the cache-length bucket (a power of two from 256, capped at the model's context), so "
                         "one graph serves every run up to its bucket")
+    p.add_argument("--verify-tokens", type=int, action="append", metavar="N",
+                   help="also build the verify graph speculative decoding needs: N = tokens drafted per round + 1 "
+                        "(5 for --speculative prompt-lookup or model with the default 4; 17 for lookahead's default "
+                        "decoding length 16); repeatable")
     p.add_argument("--list", action="store_true", help="list the graphs built so far, and exit")
     return p
 
 
 def list_graphs() -> int:
     from .base.files import minillm_home
-    from .speed.graph_store import PACKAGE, entry_problem
+    from .speed.graph_store import entry_problem, package_bytes
 
     folders = sorted((minillm_home() / "graphs").glob("*/"))
     for folder in folders:
-        package = folder / PACKAGE
-        size = f"{package.stat().st_size / 1e6:.0f} MB" if package.exists() else "-"
+        size = f"{package_bytes(folder) / 1e6:.0f} MB"
         print(f"{folder.name}  {size}  {entry_problem(folder) or 'ok'}")
     print(f"{len(folders)} graph(s) in {minillm_home() / 'graphs'}")
     return 0
@@ -54,8 +57,8 @@ def list_graphs() -> int:
 def run(args) -> int:
     if args.list:
         return list_graphs()
-    batches, lengths = args.batch_size or [1], args.length or [256]
-    for flag, values in (("--batch-size", batches), ("--length", lengths)):
+    batches, lengths, verify = args.batch_size or [1], args.length or [256], args.verify_tokens or []
+    for flag, values in (("--batch-size", batches), ("--length", lengths), ("--verify-tokens", verify or [2])):
         if min(values) < 1:
             raise ValueError(f"{flag} {min(values)} is invalid: must be >= 1")
     from .speed.compile import compile_model
@@ -63,8 +66,9 @@ def run(args) -> int:
     from .speed.load import load_model
 
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    shapes = sorted({StepShape.decode(model.config, b, n) for b in batches for n in lengths},
-                    key=lambda s: (s.batch, s.cache_len))
+    shapes = {StepShape.decode(model.config, b, n) for b in batches for n in lengths}
+    shapes |= {StepShape.verify(model.config, b, t, n) for b in batches for n in lengths for t in verify}
+    shapes = sorted(shapes, key=lambda s: (s.batch, s.cache_len, s.tokens))
     compiled = compile_model(model, kept=True)
     for shape in shapes:
         seconds = compiled.prepare([shape])

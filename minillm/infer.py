@@ -206,8 +206,8 @@ def check_flag_combinations(args) -> None:
                 raise ValueError(f"{flag} applies to --speculative lookahead only")
         if args.num_draft_tokens is not None:
             check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
-    if args.compile and (args.speculative or args.num_beams > 1 or args.cache != "static"):
-        raise ValueError("--compile applies to plain generation over the static cache: drop --speculative, "
+    if args.compile and (args.num_beams > 1 or args.cache != "static"):
+        raise ValueError("--compile applies to plain and speculative generation over the static cache: drop "
                          "--num-beams or --cache")
     if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
@@ -306,6 +306,7 @@ def run(args) -> int:
     if beam is None and not args.speculative and not args.slide:
         check_fits_context(rows, config.max_new_tokens, model.config.context_length)
     stream = not args.json and len(rows) == 1 and beam is None
+    compile = True if args.compile else False if args.eager else None  # None: the kept graphs if built
     if beam is not None:  # every prompt in one search; beams do not stream (they change until the end)
         from .strategies.beam import beam_search
 
@@ -322,15 +323,14 @@ def run(args) -> int:
             drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
             budget = {"num_draft_tokens": args.num_draft_tokens or 4}
         out = speculative_generate(model, rows, drafter, config, tokenizer=tokenizer, cache=args.cache,
-                                   streamer=PrintStreamer() if stream else None, **budget)
+                                   streamer=PrintStreamer() if stream else None, compile=compile, **budget)
     else:
-        compile = True if args.compile else False if args.eager else None  # None: the kept graph if built
         out = generate_in_batches(model, rows, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
                                   streamer=PrintStreamer() if stream else None, compile=compile)
-        if compile is None and out.stats.extra.get("graph") == "eager" and args.cache == "static":
-            print("minillm: decoded eagerly: `python -m minillm.compile` (same --model/--dtype/--quant) builds "
-                  "the compiled decode graph once, and later runs load it in seconds and decode faster",
-                  file=sys.stderr)
+    if compile is None and out.stats.extra.get("graph") == "eager" and args.cache == "static":
+        verify = f" --verify-tokens {out.stats.extra['num_draft_tokens'] + 1}" if args.speculative else ""
+        print(f"minillm: decoded eagerly: `python -m minillm.compile{verify}` (same --model/--dtype/--quant) builds "
+              "the compiled graphs once, and later runs load them in seconds and decode faster", file=sys.stderr)
     per_prompt = beam["num_return_sequences"] if beam else 1
     for i, row in enumerate(out.rows):
         prompt = prompts[i // per_prompt]

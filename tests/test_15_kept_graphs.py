@@ -77,18 +77,23 @@ def test_a_damaged_package_is_rebuilt_not_loaded(built, kept_home, monkeypatch, 
     compiled = compile_model(model, kept=True)
     shape = StepShape.decode(model.config, 2, 256)
     (entry,) = (kept_home / "graphs").iterdir()
-    package = entry / graph_store.PACKAGE
+    package = max((p for p in (entry / graph_store.PACKAGE).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     good = package.read_bytes()
     data = bytearray(good)
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
-    package.write_bytes(bytes(data))
+
+    def put(content: bytes):  # a new file renamed over it: this process has the library and weights mapped
+        package.with_suffix(".new").write_bytes(content)
+        os.replace(package.with_suffix(".new"), package)
+
+    put(bytes(data))
     assert "does not match its recorded sha256" in graph_store.entry_problem(entry)
 
     rebuilt = []
 
-    def build_entry(step_module, shape, key, folder, settings, progress=None):  # the real build, minus the wait
+    def build_entry(model, step_module, shape, key, folder, settings, progress=None):  # the real build, minus the wait
         rebuilt.append(shape)
-        package.write_bytes(good)
+        put(good)
         graph_store.write_manifest(folder, graph_store.file_record(folder / graph_store.KEY_FILE))
 
     monkeypatch.setattr(graph_store, "build_entry", build_entry)
@@ -164,3 +169,25 @@ def test_the_command_lines_explain_and_check_the_graph_flags(capsys):
     assert infer_main(["--prompt", "hi", "--compile", "--eager"]) == 2
     assert compile_main(["--batch-size", "0"]) == 2
     assert "--batch-size 0 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "lookahead"])
+def test_speculative_rounds_verify_through_a_kept_graph_with_the_eager_tokens(kept_home, drafter):
+    from minillm.strategies.drafters import PromptLookup
+    from minillm.strategies.lookahead import Lookahead
+    from minillm.strategies.speculative import speculative_generate
+
+    _, model = tiny_pair("llama", context_length=256)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # repeats: the drafts find matches
+    runs = {}
+    for compile in (False, True):  # both drafters draft at most 4 tokens: one verify graph of 5 serves both
+        draft = PromptLookup() if drafter == "prompt-lookup" else Lookahead(decoding_length=4, branch_length=3)
+        budget = {"num_draft_tokens": 4} if drafter == "prompt-lookup" else {}  # lookahead's: its decoding length
+        runs[compile] = speculative_generate(model, prompt, draft, max_new_tokens=24, compile=compile, **budget)
+    eager, compiled = runs[False], runs[True]
+    assert compiled.stats.extra["graph"] == "compiled" and compiled.token_ids == eager.token_ids
+    assert compiled.stats.extra["drafted"] > 0 and compiled.stats.extra["verify_forwards"] > 0
+    assert compile_model(model, kept=True).eager_calls == 1  # the prompt: every round ran a graph
+    names = sorted(p.name.rsplit("-", 1)[0] for p in (kept_home / "graphs").iterdir())
+    assert "decode-b1-t1-s256" in names and "verify-b1-t5-s256" in names

@@ -45,8 +45,9 @@ def file_problem(path: Path, record: dict, thorough: bool) -> str | None:
 
 
 def write_manifest(folder: Path, source: dict) -> None:
-    """Record every file of `folder` (and where it came from) in its manifest.json."""
-    files = {p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    """Record every file under `folder` (by its path inside it) and where it came from, in its manifest.json."""
+    files = {p.relative_to(folder).as_posix(): file_record(p) for p in sorted(folder.rglob("*"))
+             if p.is_file() and p != folder / MANIFEST}
     write_json(folder / MANIFEST, {"source": source, "files": files})
 
 

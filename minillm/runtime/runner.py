@@ -14,8 +14,8 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
 
     cache   "static" (preallocated, lesson 06), "dynamic" (grows), "none" (recompute: the
             baseline the cache is measured against), or "paged" (a block pool, lesson 12)
-    graph   "eager" (the model's own forward) or "compiled" (a fixed-shape decode graph over a static
-            cache of a bucketed length, lesson 15: `minillm.speed.compile`, kept on disk as an
+    graph   "eager" (the model's own forward) or "compiled" (a fixed-shape decode graph, and with
+            `verify_tokens` a verify graph for drafts, over a static cache of a bucketed length, lesson 15: `minillm.speed.compile`, kept on disk as an
             AOTInductor package by `minillm.speed.graph_store` and loaded, or built once, when the
             runner is made: before the first step, never inside the loop; prompts run eagerly over
             the same cache, which measured faster than compiled chunks); a model exported to
@@ -48,17 +48,23 @@ class ModelRunner:
     """Runs the model's prefill, decode and verify steps over one cache; see the module docstring."""
 
     def __init__(self, model, *, cache: str = "static", graph: str = "eager", max_len: int | None = None,
-                 max_batch: int = 1, num_blocks: int | None = None, block_size: int = 16):
+                 max_batch: int = 1, num_blocks: int | None = None, block_size: int = 16,
+                 verify_tokens: int | None = None):
         """max_len: the most tokens a sequence will hold (contiguous caches); max_batch: the most rows a
-        static cache is allocated for; num_blocks, block_size: the paged pool's size."""
+        static cache is allocated for; num_blocks, block_size: the paged pool's size; verify_tokens: the
+        most tokens one `verify` feeds a row (speculative decoding), so a compiled runner has a graph
+        for them too."""
         if cache not in CACHES:
             raise ValueError(f"cache={cache!r} is invalid: use one of {', '.join(CACHES)}")
         if graph not in GRAPHS:
             raise ValueError(f"graph={graph!r} is invalid: use one of {', '.join(GRAPHS)}")
         exported = isinstance(model, OnnxModel)
-        if graph == "auto":  # the compiled decode graph when one is already built for this run, else eager
+        shapes = [StepShape.decode(model.config, max_batch, max_len)]  # the compiled graphs the run needs
+        if verify_tokens and verify_tokens > 1:
+            shapes.append(StepShape.verify(model.config, max_batch, verify_tokens, max_len))
+        if graph == "auto":  # the compiled graphs when they are already built for this run, else eager
             built = (cache == "static" and isinstance(model, torch.nn.Module)
-                     and compile_model(model, kept=True).is_built(StepShape.decode(model.config, max_batch, max_len)))
+                     and all(map(compile_model(model, kept=True).is_built, shapes)))
             graph = "compiled" if built else "eager"
         if graph == "compiled" and cache != "static":
             raise ValueError(f"compiled graphs run over the static cache, not cache={cache!r}: use cache='static'")
@@ -79,9 +85,8 @@ class ModelRunner:
             return
         if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already built
             compiled = compile_model(model, kept=True)
-            shape = StepShape.decode(model.config, max_batch, max_len)
-            self.session = DecodeSession(compiled, cache, shape.cache_len, max_batch, fixed_shape=True)
-            self.build_seconds = compiled.prepare([shape])
+            self.session = DecodeSession(compiled, cache, shapes[0].cache_len, max_batch, fixed_shape=True)
+            self.build_seconds = compiled.prepare(shapes)
         else:
             self.session = DecodeSession(model, cache, max_len, max_batch)
 

@@ -208,7 +208,7 @@ class CompiledModel:
                   leave=False) as bar:
             for shape in needed:
                 key = graph_key(self.model, shape, self.settings)
-                self.packages[shape] = load_or_build(lambda: self.step_module, shape, key,
+                self.packages[shape] = load_or_build(self.model, lambda: self.step_module, shape, key,
                                                      lambda: inductor_settings(self.autotune, self.device),
                                                      progress=bar.set_postfix_str)
                 bar.update()
@@ -278,6 +278,16 @@ class CompiledModel:
         cache.lengths, cache.batch = [n + T for n in lengths], B
         return logits
 
+    def verify_length(self, rows: int, tokens: int, cache_len: int) -> int:
+        """How many tokens one step feeds when all `tokens` need logits (verifying a draft): kept, the
+        shortest verify graph built that holds them (a shorter draft is padded to it); else `chunk`."""
+        if self.kept:
+            fits = [s.tokens for s in self.packages if s.tokens == s.logits >= tokens > 1
+                    and (s.batch, s.cache_len) == (rows, cache_len)]
+            if fits:
+                return min(fits)
+        return self.chunk
+
     def _chunked(self, tokens, positions, columns, mask, last_only, logits_at, keys, values, cache):
         """T > 1 tokens in chunks of `chunk`, the last padded; None when the padding would not fit the cache.
 
@@ -286,7 +296,7 @@ class CompiledModel:
         where the row's next tokens overwrite it before anything attends to it.
         """
         B, T = tokens.shape
-        C = self.chunk
+        C = self.chunk if last_only or logits_at is not None else self.verify_length(B, T, mask.shape[-1])
         n_chunks = -(-T // C)
         pad = n_chunks * C - T
         if int(columns[:, -1].max()) + 1 + pad > cache.max_len:
@@ -298,8 +308,7 @@ class CompiledModel:
             wanted = torch.cat((wanted, wanted[-1:].expand(B - len(wanted), -1)))  # the spare rows' too
         else:
             wanted = None  # every position: logits for each whole chunk
-        if self.kept and StepShape.of_step(*(t[:, :C] for t in (tokens, positions, columns, mask)), wanted, keys,
-                                           values) not in self.packages:
+        if self.kept and StepShape(B, C, cache.max_len, C if wanted is None else wanted.shape[1]) not in self.packages:
             return None  # no graph was built for this shape: the eager forward over the same cache
         if pad:
             ahead = torch.arange(1, pad + 1, device=tokens.device)
@@ -311,8 +320,7 @@ class CompiledModel:
         for start in range(0, n_chunks * C, C):
             part = [t[:, start : start + C].clone(memory_format=torch.contiguous_format)
                     for t in (tokens, positions, columns, mask)]
-            at = (torch.arange(C, device=tokens.device).expand(B, C) if wanted is None
-                  else (wanted - start).clamp(0, C - 1))
+            at = None if wanted is None else (wanted - start).clamp(0, C - 1)  # None: every position's logits
             pieces.append(self._timed(*part, at, keys, values))  # [B, K, V]
         if wanted is None:
             return torch.cat(pieces, dim=1)[:, :T]

@@ -13,8 +13,8 @@ measured (lesson 15 tells the numbers):
     AOTInductor packages (kept)     `torch.export` gives one graph, `aoti_compile_and_package`
                                     turns it into a shared library plus its constants (the
                                     weights, prepacked for the generated matmul kernels); a
-                                    later process loads the `.pt2` and calls it: no tracing,
-                                    no compiling, no Python between the kernels
+                                    later process loads it and calls it: no tracing, no
+                                    compiling, no Python between the kernels
 
 One package per step shape (`StepShape`): the batch, the tokens it feeds (1 to decode, a
 chunk to prefill or verify), the cache length, and how many positions get logits. Each is
@@ -35,6 +35,7 @@ import json
 import platform
 import sys
 import time
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,7 +45,10 @@ from ..base.files import cache_lock, minillm_home, one_line, remove, replace_fol
 from ..base.jsonio import write_json
 from ..base.manifest import file_record, files_problem, read_manifest, refresh_manifest, write_manifest
 
-PACKAGE = "step.pt2"
+PACKAGE = "package"  # the `.pt2` archive, unpacked once when built: a load then extracts nothing
+CONSTANTS = f"{PACKAGE}/step/data/aotinductor/model/weights_config.json"  # AOTInductor's: constant -> its file
+WEIGHTS = f"{PACKAGE}/step/data/weights"  # one file per constant (or per group sharing a storage)
+SHARED = "shared.json"  # ours: the constants taken from the live model at load (constant -> the model's tensor)
 KEY_FILE = "key.json"
 # The source folders of everything a step's forward runs (the model, its cache, the speed swaps):
 # an edit to any of them changes the generated code, so it changes every key.
@@ -82,6 +86,11 @@ class StepShape:
         context = config.context_length
         return cls(batch, 1, context_bucket(max_len or context, context), 1)
 
+    @classmethod
+    def verify(cls, config, batch: int, tokens: int, max_len: int | None) -> "StepShape":
+        """The verify step: `tokens` fed per row (the newest token and a draft), logits after every one."""
+        return cls(batch, tokens, StepShape.decode(config, batch, max_len).cache_len, tokens)
+
     def example_inputs(self, config, dtype: torch.dtype, device) -> tuple:
         """Inputs of `CacheStep.forward` with these shapes (their values only need to be valid)."""
         B, T, S = self.batch, self.tokens, self.cache_len
@@ -108,18 +117,74 @@ def context_bucket(tokens: int, context_length: int) -> int:
 class PackagedStep:
     """A loaded package: call it with the step's tensors in `CacheStep.forward`'s order, logits [B, K, V] back.
 
+    Its constants are given to the library as tensors it does not own (`user_managed`): the
+    model's own weights where the package uses them unchanged (`share_model_weights`), and
+    the rest (weights Inductor re-laid out for its matmul kernels, RoPE tables) mapped from
+    their files, so a load reads nothing it does not touch and processes share the pages.
     The loader's own call re-reads the package's input spec and flattens the arguments
     with pytree on every call; this passes the flat tensor list straight to the library.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, model: torch.nn.Module):
         self.folder = folder
-        self.loader = torch._inductor.aoti_load_package(str(folder / PACKAGE)).loader
+        # The loader takes an unpacked package folder as it is; given the `.pt2` archive it would first
+        # extract it, weights included, to a temporary folder on every load.
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(folder / PACKAGE), "model", False, 1, -1)
+        shared, live, files = json.loads((folder / SHARED).read_text()), model_tensors(model, every_name=True), {}
+        constants = {}
+        for name, (file, shape, stride, offset) in json.loads((folder / CONSTANTS).read_text()).items():
+            if name in shared:
+                tensor = live[shared[name]].detach()
+                if list(tensor.shape) != shape or list(tensor.stride()) != stride:
+                    raise ValueError(f"the model's {shared[name]} is {list(tensor.shape)}, the package's {shape}")
+                constants[name] = tensor
+            else:
+                if file not in files:
+                    files[file] = torch.load(folder / WEIGHTS / file, weights_only=True, mmap=True)
+                constants[name] = files[file].as_strided(shape, stride, offset)
+        self.loader.load_constants(constants, False, True, True)  # active set, every constant, user-managed
         self.build_seconds = json.loads((folder / KEY_FILE).read_text()).get("build_seconds")  # the one-time cost
 
     def __call__(self, tokens, positions, columns, mask, logits_at, keys, values) -> torch.Tensor:
         flat = [tokens, positions, columns, mask, *([] if logits_at is None else [logits_at]), *keys, *values]
         return self.loader.boxed_run(flat)[0]
+
+
+def model_tensors(module: torch.nn.Module, every_name: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module`, by name; every_name: a tensor held under two names (a tied
+    embedding and output head) under both, not only the first."""
+    return {**dict(module.named_parameters(remove_duplicate=not every_name)),
+            **dict(module.named_buffers(remove_duplicate=not every_name))}
+
+
+def share_model_weights(folder: Path, model: torch.nn.Module) -> int:
+    """Delete from a built package each constant file that only repeats one of the model's own tensors; the bytes
+    deleted.
+
+    The step is traced from a copy of the model (`CacheStep.model`), so its constants are
+    named `model.<the model's name>`. Inductor re-lays out most matmul weights for its own
+    kernels (new constants) but keeps the originals too, and the embedding and norms are
+    used as they are: stored again, the package would hold the weights twice. The model is
+    loaded anyway, so what equals one of its tensors (same name, layout and bytes) is given
+    from it at load (`SHARED`), and only the re-laid-out constants stay on disk.
+    """
+    constants = json.loads((folder / CONSTANTS).read_text())
+    live, shared, users = model_tensors(model, every_name=True), {}, {}
+    for name, (file, shape, stride, offset) in constants.items():
+        users.setdefault(file, set()).add(name)
+        tensor = live.get(name.removeprefix("model."))
+        if tensor is None or list(tensor.shape) != shape or list(tensor.stride()) != stride or offset:
+            continue
+        stored = torch.load(folder / WEIGHTS / file, weights_only=True, mmap=True)
+        if stored.dtype == tensor.dtype and torch.equal(stored.as_strided(shape, stride, offset), tensor.detach()):
+            shared[name] = name.removeprefix("model.")
+    deleted = 0
+    for file, names in users.items():
+        if names <= shared.keys():
+            deleted += (folder / WEIGHTS / file).stat().st_size
+            (folder / WEIGHTS / file).unlink()
+    write_json(folder / SHARED, shared)
+    return deleted
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -129,7 +194,7 @@ def weights_digest(module: torch.nn.Module) -> str:
     counter, which every in-place write bumps): asked again, it hashes again only if a tensor
     was replaced (a quantization swap) or written to.
     """
-    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    tensors = model_tensors(module)
     # Tensors made under torch.inference_mode keep no version counter: for them the storage alone is the signature.
     signature = tuple((name, t.data_ptr(), -1 if t.is_inference() else t._version)
                       for name, t in sorted(tensors.items()))
@@ -192,6 +257,11 @@ def is_built(model, shape: StepShape, settings: dict) -> bool:
     return entry_problem(entry_folder(graph_key(model, shape, settings), shape)) is None
 
 
+def package_bytes(folder: Path) -> int:
+    """The size of an entry's package on disk (its library, its constants, its metadata)."""
+    return sum(p.stat().st_size for p in (folder / PACKAGE).rglob("*") if p.is_file())
+
+
 def entry_folder(key: dict, shape: StepShape) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return minillm_home() / "graphs" / f"{shape.name}-{digest}"
@@ -211,36 +281,39 @@ def entry_problem(folder: Path) -> str | None:
     return problem
 
 
-def load_or_build(make_step, shape: StepShape, key: dict, build_settings, progress=None) -> PackagedStep:
+def load_or_build(model, make_step, shape: StepShape, key: dict, build_settings, progress=None) -> PackagedStep:
     """The package for `shape`: loaded when its entry is intact, built (and kept) when it is missing or damaged.
 
-    make_step: gives the `CacheStep` to export (called only to build); build_settings: a context manager
-    factory setting the compiler's options while it builds; progress: called with a short status line.
+    model: the live model the package takes its shared weights from; make_step: gives the `CacheStep` to
+    export (called only to build); build_settings: a context manager factory setting the compiler's
+    options while it builds; progress: called with a short status line.
     """
     folder = entry_folder(key, shape)
     problem = entry_problem(folder)
     if problem is None:
         try:
-            return PackagedStep(folder)
+            return PackagedStep(folder, model)
         except Exception as e:  # a package that passes its manifest but will not load: built by another torch
             problem = f"it does not load ({one_line(e)})"
     with cache_lock():
         if entry_problem(folder) is None:  # another process built it while we waited
-            return PackagedStep(folder)
+            return PackagedStep(folder, model)
         if problem != "missing":
             print(f"minillm: compiled graph {folder.name} is unusable ({problem}): rebuilding it", file=sys.stderr)
-        build_entry(make_step(), shape, key, folder, build_settings, progress)
-    return PackagedStep(folder)
+        build_entry(model, make_step(), shape, key, folder, build_settings, progress)
+    return PackagedStep(folder, model)
 
 
-def build_entry(step_module, shape: StepShape, key: dict, folder: Path, build_settings, progress=None) -> None:
-    """Export the step at `shape`, compile it to a package in a temporary folder, record it, rename it into place."""
+def build_entry(model, step_module, shape: StepShape, key: dict, folder: Path, build_settings,
+                progress=None) -> None:
+    """Export the step at `shape`, compile it to a package in a temporary folder, record it, rename it into place.
+
+    model: the live model (its weights stay out of the package); step_module: the `CacheStep` traced."""
     from torch._inductor import config
 
     built = temporary_path(folder)
     built.mkdir(parents=True)
     try:
-        model = step_module.model
         inputs = shape.example_inputs(model.config, model.dtype, model.device)
         start = time.perf_counter()
         if progress:
@@ -249,10 +322,14 @@ def build_entry(step_module, shape: StepShape, key: dict, folder: Path, build_se
             program = torch.export.export(step_module, inputs, strict=False)
         if progress:
             progress(f"{shape.name}: compiling")
-        # The weights go into one file beside the library, not into the library's data section.
+        # Each constant in a file of its own beside the library, not in the library's data section.
         with build_settings(), config.patch({"aot_inductor.package_constants_in_so": False,
-                                             "aot_inductor.package_constants_on_disk_format": "binary_blob"}):
-            torch._inductor.aoti_compile_and_package(program, package_path=str(built / PACKAGE))
+                                             "aot_inductor.package_constants_on_disk_format": "pickle_weights"}):
+            archive = torch._inductor.aoti_compile_and_package(program, package_path=str(built / "step.pt2"))
+        with zipfile.ZipFile(archive) as unpacked:
+            unpacked.extractall(built / PACKAGE)
+        Path(archive).unlink()
+        share_model_weights(built, model)
         write_json(built / KEY_FILE, {**key, "build_seconds": round(time.perf_counter() - start, 1)})
         write_manifest(built, file_record(built / KEY_FILE))
         replace_folder(built, folder)
@@ -261,4 +338,5 @@ def build_entry(step_module, shape: StepShape, key: dict, folder: Path, build_se
 
 
 __all__ = ["PackagedStep", "SMALLEST_BUCKET", "StepShape", "context_bucket", "entry_folder", "entry_problem",
-           "graph_key", "is_built", "load_or_build", "machine_code", "source_digest", "weights_digest"]
+           "graph_key", "is_built", "load_or_build", "machine_code", "model_tensors", "package_bytes",
+           "share_model_weights", "source_digest", "weights_digest"]

@@ -68,12 +68,13 @@ class SpeculativeDecoder:
 
     def __init__(self, model, drafter: Drafter, prompt_ids: list[int], config: SamplingConfig, *,
                  num_draft_tokens: int | None = None, tokenizer=None, cache: str = "static",
-                 adaptive: bool | None = None):
+                 adaptive: bool | None = None, compile: bool | None = None):
         """num_draft_tokens: the most tokens one round drafts (a tree's nodes); adaptive: let the
         budget follow what the target accepts, below that ceiling (`_count_depths`), so text where
         drafts fail costs little. Left as None, both come from the drafter when it says (`max_draft`,
         `adaptive`: lookahead's decoding length, adaptive), else 4 and fixed. The adaptive budget
-        never drops below the drafter's `min_draft` (1 unless it says): see `FREE_DRAFT`."""
+        never drops below the drafter's `min_draft` (1 unless it says): see `FREE_DRAFT`. compile: as
+        `generate`'s (None: the kept graphs when built), with a verify graph for k + 1 tokens beside decode's."""
         num_draft_tokens = getattr(drafter, "max_draft", 4) if num_draft_tokens is None else num_draft_tokens
         adaptive = getattr(drafter, "adaptive", False) if adaptive is None else adaptive
         check_num_draft_tokens(num_draft_tokens)
@@ -91,7 +92,8 @@ class SpeculativeDecoder:
         self.seq = Sequence.create(prompt_ids, config, tokenizer=tokenizer, vocab_size=model.config.vocab_size,
                                    device=model.device, history=True, id=0)
         max_len = len(prompt_ids) + config.max_new_tokens
-        self.runner = ModelRunner(model, cache=cache, max_len=max_len)
+        graph = {None: "auto", True: "compiled", False: "eager"}[compile if cache == "static" else False]
+        self.runner = ModelRunner(model, cache=cache, graph=graph, max_len=max_len, verify_tokens=num_draft_tokens + 1)
         drafter.begin(model, tokenizer, max_len)
         self.target_generator = self.seq.generator
         self.generators = None if self.target_generator is None else [self.target_generator]
@@ -256,16 +258,19 @@ class SpeculativeGeneration:
     """One speculative run as a stream of events (one per round); `output` once it is done."""
 
     def __init__(self, model, prompt, drafter: Drafter, config=None, *, num_draft_tokens: int | None = None,
-                 tokenizer=None, cache: str = "static", adaptive: bool | None = None, **config_overrides):
+                 tokenizer=None, cache: str = "static", adaptive: bool | None = None, compile: bool | None = None,
+                 **config_overrides):
         config = (config or SamplingConfig()).with_(**config_overrides)
         rows = encode_prompts(prompt, tokenizer)
         if len(rows) != 1:
             raise ValueError(f"speculative decoding takes one prompt at a time (got {len(rows)}): call it per prompt")
         check_prompts(rows, model.config.context_length, model.config.vocab_size)
         self.decoder = SpeculativeDecoder(model, drafter, rows[0], config, num_draft_tokens=num_draft_tokens,
-                                          tokenizer=tokenizer, cache=cache, adaptive=adaptive)
+                                          tokenizer=tokenizer, cache=cache, adaptive=adaptive, compile=compile)
         self.prompt_length = len(rows[0])
-        self.stats = GenerationStats(prompt_tokens=len(rows[0]))
+        runner = self.decoder.runner
+        self.stats = GenerationStats(prompt_tokens=len(rows[0]), build_seconds=runner.build_seconds,
+                                     extra={"graph": runner.graph})
         self.output: GenerationOutput | None = None
 
     def __iter__(self):
@@ -292,16 +297,19 @@ class SpeculativeGeneration:
 
 def speculative_generate(model, prompt, drafter: Drafter, config: SamplingConfig | None = None, *,
                          num_draft_tokens: int | None = None, tokenizer=None, cache: str = "static",
-                         streamer=None, stream: bool = False, adaptive: bool | None = None, **config_overrides):
+                         streamer=None, stream: bool = False, adaptive: bool | None = None, compile: bool | None = None,
+                         **config_overrides):
     """`minillm.strategies.generate.generate` for one prompt, sped up by a drafter; same outputs, same stats,
     plus stats.extra: drafted, accepted, acceptance_rate, tokens_per_target_forward.
 
         out = speculative_generate(model, "Repeat: ...", PromptLookup(), tokenizer=tok, num_draft_tokens=8)
 
-    With stream=True returns the SpeculativeGeneration to iterate over (one event per round).
+    With stream=True returns the SpeculativeGeneration to iterate over (one event per round). compile: as
+    `generate`'s; the target then verifies through a kept graph for the round's k + 1 tokens.
     """
     run = SpeculativeGeneration(model, prompt, drafter, config, num_draft_tokens=num_draft_tokens,
-                                tokenizer=tokenizer, cache=cache, adaptive=adaptive, **config_overrides)
+                                tokenizer=tokenizer, cache=cache, adaptive=adaptive, compile=compile,
+                                **config_overrides)
     return run if stream else drain(run, streamer)
 
 
