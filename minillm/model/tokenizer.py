@@ -13,7 +13,8 @@ GPT-2's family uses tiktoken, with the BPE ranks that ship in the `openai-whispe
 sdist on PyPI (tiktoken's own download needs a host we cannot reach offline).
 Llama-family checkpoints use Hugging Face `tokenizers`: from a `tokenizer.json`, or,
 for a GGUF (the default model, Gemma 3), built here from the vocabulary (and merges)
-stored in the GGUF metadata.
+stored in the GGUF metadata. Lesson 00 builds both BPEs by hand (`bpe.py`, plain Python, the
+same ids) and SmolLM2's chat template (`chatml.py`, which renders it here).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..base.files import minillm_home, one_line
+from .bpe import BYTE_OF, GPT2_PATTERN
+from .chatml import render_chatml, renders_as_chatml
 from .fetch import ModelLoadError, PackagedFile, fetch_packaged_file, read_json
 
 
@@ -46,7 +49,15 @@ class Tokenizer(Protocol):
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **extra) -> str:
-    """Render a Hugging Face chat template (Jinja2, sandboxed as transformers does)."""
+    """Render a Hugging Face chat template: SmolLM2's in plain Python (`chatml.render_chatml`, lesson 00),
+    any other with Jinja."""
+    if renders_as_chatml(template, messages):
+        return render_chatml(messages, add_generation_prompt)
+    return render_jinja(template, messages, add_generation_prompt, **extra)
+
+
+def render_jinja(template: str, messages: list[dict], add_generation_prompt: bool, **extra) -> str:
+    """Render a chat template with Jinja2, sandboxed as transformers does."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -72,7 +83,6 @@ GPT2_RANKS = PackagedFile(
     member_sha256="306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
     source=True,
 )
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOS = 50256
 
 
@@ -133,22 +143,12 @@ class HFTokenizerWrapper(_ChatMixin):
             return text.encode()
         if fallback := BYTE_FALLBACK.fullmatch(piece):
             return bytes([int(fallback[1], 16)])
-        if all(c in BYTE_LEVEL_ALPHABET for c in piece):
-            return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
+        if all(c in BYTE_OF for c in piece):
+            return bytes(BYTE_OF[c] for c in piece)
         return text.encode()
 
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's token for one raw byte
-
-
-def byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE spells every byte as a printable character: that character -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
-BYTE_LEVEL_ALPHABET = byte_level_alphabet()
 
 
 # GGUF's `tokenizer.ggml.pre` names the split rule applied before BPE. "smollm" (like
