@@ -297,3 +297,7 @@ def test_smollm2_chat_prompt_equals_transformers_apply_chat_template(smollm2):
         expected_ids = reference.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=False)
         assert ours.encode(text) == package.encode(text) == list(expected_ids)
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("00_tokenization.ipynb")

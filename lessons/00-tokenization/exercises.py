@@ -1,0 +1,62 @@
+"""Lesson 00 exercises: write your answers here; `pytest lessons/00-tokenization` checks them.
+
+Each function starts as a stub; its check is skipped until you replace the
+`raise NotImplementedError`. Worked answers: solutions/00_tokenization.py
+(try first: `pytest lessons/00-tokenization --solutions` runs the checks on them).
+"""
+
+from __future__ import annotations
+
+from collections import Counter  # noqa: F401
+from collections.abc import Collection
+
+
+def merge_step(words: dict[tuple[bytes, ...], int]) -> tuple[tuple[bytes, bytes], dict[tuple[bytes, ...], int]] | None:
+    """Exercise 1: One merge step
+
+    One step of BPE training, written without minillm.model.bpe.
+
+    words: each pre-token of the corpus as a tuple of its current parts -> how often it occurs; the
+      dict lists words in the order they first occur in the corpus. At the start every part is one
+      byte: {(b"h", b"u", b"g"): 3, (b" ", b"p", b"u", b"g"): 2, ...}.
+    Count every adjacent pair of parts, each word's pairs counted as often as the word occurs. Pick
+    the most frequent pair; on a tie, the pair seen first (words in dict order, each left to right).
+    Merge every occurrence of it in every word, left to right without overlap: (a, a, a) with the
+    pair (a, a) becomes (aa, a).
+    Returns (the pair, the new words dict in the same order), or None if no word has two parts.
+    """
+    raise NotImplementedError
+
+
+def predict_merges() -> dict:
+    """Exercise 2: Predict the merges
+
+    Work it out on paper first, then write the answer down as literals (running train_bpe is
+    checking, not predicting). The corpus, cut by GPT-2's pre-tokenizer (a space starts a word):
+
+        "hug hug hug pug pug pun pun pun bun hugs hugs"
+        -> "hug" once, " hug" twice, " pug" twice, " pun" three times, " bun" once, " hugs" twice
+
+    Training counts adjacent pairs within each piece, merges the most frequent (on a tie: the pair
+    seen first, reading the pieces in order, each left to right), and repeats.
+    Returns {"merges": the first five merged pairs as (left, right) strings, e.g. ("u", "g"),
+    "counts": how often each of them occurred when it was picked,
+    "tokens": {word: its tokens as strings, encoded with exactly those five merges,
+               for the words " bug", " hugs", " puns", " gun"}}.
+    """
+    raise NotImplementedError
+
+
+def longest_match(piece: bytes, vocab: Collection[bytes]) -> list[bytes]:
+    """Exercise 3: Longest match instead of merges
+
+    Break BPE on purpose: tokenize by taking, from the start of the piece, the longest prefix that is
+    in the vocabulary, then the longest one after it, and so on (WordPiece-style greedy matching).
+    Every single byte is in `vocab`, so this always succeeds and loses nothing.
+
+    piece: one pre-token's bytes. vocab: the token bytes of a byte-level vocabulary (GPT-2's ranks).
+    Returns the parts, left to right; b"".join(parts) == piece.
+    Then compare with BPE: same vocabulary, same text, same bytes back. Which words split
+    differently, and why would a model trained on BPE's splits care?
+    """
+    raise NotImplementedError
