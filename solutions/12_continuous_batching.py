@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
-import torch
+import math
 
 
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    index = position // block_size
-    if index >= len(block_table):
-        raise ValueError(f"position {position} needs block {index}, but the table has {len(block_table)} blocks")
-    return block_table[index] * block_size + position % block_size
+class FreeList:
+    """Blocks and their holders: a stack of free block ids and a reference count per block."""
+
+    def __init__(self, num_blocks: int):
+        self.counts = [0] * num_blocks
+        self.free_stack = list(range(num_blocks - 1, -1, -1))  # the top is the end of the list: 0 first
+
+    def allocate(self) -> int:
+        if not self.free_stack:
+            raise RuntimeError(f"all {len(self.counts)} blocks are held: free or preempt a sequence first")
+        block = self.free_stack.pop()
+        self.counts[block] = 1
+        return block
+
+    def fork(self, block: int) -> None:
+        if self.counts[block] == 0:
+            raise ValueError(f"block {block} is free: only a held block can be shared")
+        self.counts[block] += 1
+
+    def free(self, block: int) -> None:
+        if self.counts[block] == 0:
+            raise ValueError(f"block {block} is already free (a double free)")
+        self.counts[block] -= 1
+        if self.counts[block] == 0:
+            self.free_stack.append(block)
+
+    def ref_count(self, block: int) -> int:
+        return self.counts[block]
+
+    def num_free(self) -> int:
+        return len(self.free_stack)
 
 
-def gather_keys(pool: torch.Tensor, block_table: list[int], length: int) -> torch.Tensor:
-    block_size = pool.shape[1]
-    flat = pool.flatten(0, 1)  # [num_blocks * block_size, KV, hd]: row = slot
-    slots = torch.tensor([slot_of(block_table, p, block_size) for p in range(length)], dtype=torch.long)
-    return flat[slots].transpose(0, 1)  # [KV, length, hd]
+def make_free_list(num_blocks: int) -> FreeList:
+    """Exercise 1: A free list with reference counts"""
+    return FreeList(num_blocks)
+    # Why a count and not a flag: a block two sequences share (a prefix hit, a beam fork) must outlive the first
+    # holder's free; it is free only when the last holder lets go. A double free is a bug upstream (a sequence
+    # freed twice would hand its blocks to two others), so it raises instead of pushing the block twice.
+    # Why a stack: the block freed last is reused first. BlockManager does the same for blocks that hold nothing
+    # reusable (it moves them to the front of its free list), and keeps blocks that still hold a cached prefix at
+    # the back, reused oldest first, so the prefix cache loses its least recently used prefixes first. Freeing a
+    # sequence's blocks last block first means its first block ends on top: the next sequence gets the same
+    # table in the same order.
 
 
 def blocks_held(prompts: list[list[int]], block_size: int) -> int:
@@ -34,15 +66,32 @@ def blocks_held(prompts: list[list[int]], block_size: int) -> int:
     return held
 
 
-def packed_mask(lengths: list[int]) -> torch.Tensor:
-    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [N]: sequence of each token
-    N = len(owner)
-    causal = torch.ones(N, N, dtype=torch.bool).tril()
-    return causal & (owner[:, None] == owner[None, :])
+def ridge_batch(weight_bytes: float, bytes_per_second: float, flops_per_token: float,
+                flops_per_second: float) -> int:
+    """Exercise 3: When batching stops paying"""
+    reading = weight_bytes / bytes_per_second  # seconds per step, whatever the batch
+    per_token = flops_per_token / flops_per_second  # seconds of arithmetic per request in the step
+    return max(1, math.ceil(reading / per_token))
+    # step(B) = max(reading, B * per_token), so tokens/s = B / step(B) rises B-fold up to B* = reading / per_token
+    # and is flat (1 / per_token) after it. B* is the machine's balance (flops per byte) divided by the model's
+    # arithmetic intensity at batch 1 (flops_per_token / weight_bytes: 2 flops per parameter, 4 bytes in FP32,
+    # so 0.5 flop per byte). A GPU streams ~3 TB/s and multiplies at ~500 TFLOP/s (BF16): B* is in the hundreds.
+    # This CPU's batch-1 step reads at ~16.5 GB/s and its largest batch multiplies at ~99 GFLOP/s: B* ~ 12.
+    # A serving engine's batch limit (max_num_seqs) pays up to about B*; beyond it a bigger batch makes every
+    # request slower and the machine no faster. Real curves bend smoothly (the step is neither purely one nor the
+    # other near B*), so the measured throughput already gains less than 2x per doubling a little before B*.
 
 
-def packed_positions(lengths: list[int]) -> torch.Tensor:
-    return torch.cat([torch.arange(n) for n in lengths])
+def machine_from_results(rows: list[dict], weight_bytes: float, flops_per_token: float) -> tuple[float, float]:
+    """Exercise 3: When batching stops paying"""
+    decode = {row["batch"]: row["minillm"]["decode_per_second"] for row in rows}
+    bytes_per_second = weight_bytes * decode[1]  # one step a token, one weight read a step
+    flops_per_second = flops_per_token * decode[max(decode)]  # every token of the step costs flops_per_token
+    return bytes_per_second, flops_per_second
+    # Both are effective rates, not the hardware's peaks: the batch-1 step reads at about a quarter of the
+    # bandwidth lesson 06 measures with torch.sum (the step does more than stream weights), and the arithmetic
+    # rate is what these skinny matrix products reach on two cores. The ridge they predict is where this code on
+    # this machine stops gaining, which is the question a batch limit answers.
 
 
 def _percentile(values: list[float], q: float) -> float:

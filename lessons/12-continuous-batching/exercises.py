@@ -4,31 +4,32 @@ Each function below is a stub. Replace its `raise NotImplementedError` with your
 exercise skips until you do. Worked answers: solutions/12_continuous_batching.py (try first!).
 
 Conventions (the package's, `minillm.cache.paged`): a pool holds `num_blocks` blocks of `block_size` token slots; a
-sequence's block table lists the blocks holding its tokens in order; the slot of a token is its row in the pool
-flattened to [num_blocks * block_size, ...].
+sequence's block table lists the blocks holding its tokens in order.
 """
 
 from __future__ import annotations
 
-import torch  # noqa: F401
 
+def make_free_list(num_blocks: int):
+    """Exercise 1: A free list with reference counts
 
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    """Exercise 1: Slots and block tables
+    The bookkeeping under every paged cache: which of `num_blocks` blocks are free, and how many holders each
+    held block has (a block is shared when a prefix-cache hit or a fork gives it a second holder). Write a class
+    and return a new instance of it with every block free, with these methods:
 
-    The pool row (slot) holding the token at `position` of a sequence with this block table:
-    the block is block_table[position // block_size], the offset inside it position % block_size.
-    Example: block_table [7, 2], block_size 4: position 5 -> 2 * 4 + 1 = 9.
-    Raise ValueError if the table is too short to hold the position.
-    """
-    raise NotImplementedError
+      allocate() -> int      take the block on top of the free stack, reference count 1 (at the start the
+                             stack holds 0 on top, then 1, 2, ...); RuntimeError when no block is free
+      fork(block)            one more holder of a held block (its count + 1); ValueError if the block is free
+      free(block)            one holder fewer; at zero the block is pushed on top of the free stack (so it is
+                             the next one `allocate` hands out); ValueError if it is already free (a double free)
+      ref_count(block) -> int   its holders (0 when free)
+      num_free() -> int         how many blocks are free
 
-
-def gather_keys(pool: torch.Tensor, block_table: list[int], length: int) -> torch.Tensor:
-    """Exercise 1: Slots and block tables
-
-    pool [num_blocks, block_size, KV, hd] -> the sequence's first `length` keys in order, [KV, length, hd]
-    (the layout attention wants: one [length, hd] matrix per KV head).
+    The check replays random allocate / free sequences on your list and on the package's
+    `minillm.cache.blocks.BlockManager` (one-token blocks, prefix caching off: a sequence of n tokens takes n
+    blocks, and freeing it frees them last block first): the same block ids, the same free counts, the same
+    reference counts. Then random sequences with forks: every count equals the holders, free + held = all
+    blocks, a held block is never handed out again, and the errors above are raised.
     """
     raise NotImplementedError
 
@@ -48,20 +49,33 @@ def blocks_held(prompts: list[list[int]], block_size: int) -> int:
     raise NotImplementedError
 
 
-def packed_mask(lengths: list[int]) -> torch.Tensor:
-    """Exercise 3: The packed attention mask
+def ridge_batch(weight_bytes: float, bytes_per_second: float, flops_per_token: float,
+                flops_per_second: float) -> int:
+    """Exercise 3: When batching stops paying
 
-    Sequences of these lengths packed back to back into one row of N = sum(lengths) tokens. Return a bool [N, N]
-    mask: True where token i may attend to token j, i.e. j belongs to the same sequence and comes at or before i.
-    Example: lengths [2, 1] -> [[1, 0, 0], [1, 1, 0], [0, 0, 1]].
+    A decode step of a batch of B requests reads every weight once (weight_bytes at bytes_per_second) and does
+    B * flops_per_token of arithmetic (at flops_per_second). Take the roofline's view (lesson 06): the step
+    lasts as long as the slower of the two. Up to some batch the weights dominate, the step costs the same
+    whatever B, and throughput grows B-fold; past it the arithmetic dominates and throughput stays flat while
+    every request waits longer per token. Return that batch: the smallest integer B at which the step's
+    arithmetic takes at least as long as its weight reading. Continuous batching (or any batching) stops
+    paying there: a larger batch adds latency, not throughput.
+
+    The check compares it with a brute-force scan of the roofline on random machines, then with the stored
+    measurements (see `machine_from_results`).
     """
     raise NotImplementedError
 
 
-def packed_positions(lengths: list[int]) -> torch.Tensor:
-    """Exercise 3: The packed attention mask
+def machine_from_results(rows: list[dict], weight_bytes: float, flops_per_token: float) -> tuple[float, float]:
+    """Exercise 3: When batching stops paying
 
-    long [N]: each packed token's position within its own sequence. Example: lengths [2, 1] -> [0, 1, 0].
+    rows: `results/batch.json`'s "rows" (lesson 07's batch benchmark on the default model): each has "batch"
+    and "minillm" -> "decode_per_second", the decode-phase tokens per second of all rows together.
+    Return (bytes_per_second, flops_per_second) as the measurements imply them: the rate at which the batch-1
+    step reads the weights (one token per step, so one weight read per token) and the arithmetic rate of the
+    largest batch (which is the most compute-bound). Then `ridge_batch` on these predicts where the measured
+    throughput stops growing B-fold; the check holds the prediction against the measured curve.
     """
     raise NotImplementedError
 

@@ -38,19 +38,27 @@ def _serving_bullets(data: dict) -> str:
     saturated = data["rows"][-1]
     c, no_cache, static = saturated["continuous"], saturated["continuous, no prefix cache"], saturated["static"]
     ratios = [row["throughput_vs_static"] for row in data["rows"]]
+    workload, block_size = data["workload"], data["engine"]["block_size"]
     return "\n".join([
         md.bullet(f"All requests at once: continuous batching serves {md.times(saturated['throughput_vs_static'])} "
                   f"static batching's throughput (over all rates: {md.span(ratios)}x), with a p99 latency of "
                   f"{c['e2e']['p99']:.1f} s against {static['e2e']['p99']:.1f} s and a median time to first token of "
                   f"{c['ttft']['p50']:.2f} s against {static['ttft']['p50']:.2f} s."),
-        md.bullet(f"KV memory: {md.percent(c['paged_used_share'])} of the slots in the blocks handed out hold keys "
-                  "(paged); reserving each request's maximum length contiguously, only "
-                  f"{md.percent(c['contiguous_used_share'])} would (mean over the steps). At the peak the paged pool "
-                  f"held {c['paged_peak_slots']} slots where the contiguous reservation needs "
-                  f"{c['contiguous_peak_slots']}."),
-        md.bullet(f"The prefix cache served {md.percent(c['prefix_hit_rate'])} of the prompt tokens from blocks "
-                  f"already computed; without it the same run gives {no_cache['tokens_per_second']:.1f} tok/s instead "
-                  f"of {c['tokens_per_second']:.1f}."),
+        md.bullet(f"KV memory, what paging saves (the run without the prefix cache): "
+                  f"{md.percent(no_cache['paged_used_share'])} of the slots in the blocks handed out hold keys; "
+                  f"reserving each request's maximum length contiguously, only "
+                  f"{md.percent(no_cache['contiguous_used_share'])} would (means over the steps). A request takes a "
+                  "block only when its last one is full, so paging saves the reserved tail that is never written."),
+        md.bullet(f"KV memory, what prefix caching saves: the requests share one copy of the system prompt's "
+                  f"{workload['system_prompt_tokens'] // block_size} full blocks. With it the pool peaked at "
+                  f"{c['paged_peak_slots']} slots; without it the same requests "
+                  + (f"filled the whole pool ({no_cache['pool_slots']} slots) and were preempted "
+                     f"{no_cache['preemptions']} times" if no_cache["paged_peak_slots"] >= no_cache["pool_slots"]
+                     else f"peaked at {no_cache['paged_peak_slots']} slots")
+                  + f"; reserving contiguously would take {c['contiguous_peak_slots']}. It served "
+                  f"{md.percent(c['prefix_hit_rate'])} of the prompt tokens from blocks already computed; without it "
+                  f"the same run gives {no_cache['tokens_per_second']:.1f} tok/s instead of "
+                  f"{c['tokens_per_second']:.1f}."),
     ])
 
 
