@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from minillm.decoding.sampling import SamplingConfig
 
@@ -40,3 +41,25 @@ def request_metrics(sent: float, chunk_times: list[float], end: float, output_to
 def max_request_rate(batch: int, seconds_per_step: float, mean_output_tokens: float) -> float:
     # Little's law: requests in flight (batch) = rate x time each spends (mean tokens x seconds per step).
     return batch / (mean_output_tokens * seconds_per_step)
+
+
+def p99_latency(arrival_rate: float, service_rate: float) -> float:
+    """Exercise 4: Predict p99 from the arrival rate"""
+    if arrival_rate >= service_rate:
+        raise ValueError(f"{arrival_rate} requests/s arrive and {service_rate} can be served: the queue grows "
+                         "without bound")
+    # In an M/M/1 queue (first come first served) the time in the system is exponential with rate mu - lambda,
+    # so P(T > t) = exp(-(mu - lambda) t) and the q-th quantile is -ln(1 - q) / (mu - lambda): ln(100) for p99.
+    return math.log(100) / (service_rate - arrival_rate)
+    # Read it as ln(100) / mu (a request's own p99 service time, 4.6 mean services) times 1 / (1 - rho), where
+    # rho = lambda / mu is the utilization. At rho = 0.5 p99 doubles, at 0.9 it is ten times the idle p99: the
+    # tail explodes long before the server is "full". That is why the load test's TTFT p99 jumps at the highest
+    # rate while the median barely moves, and why a server sheds load (503) instead of queueing forever.
+    # A real engine batches (several requests are served at once, so it is closer to M/M/c or a batch queue)
+    # and its service times are not exponential, but the 1 / (1 - rho) blow-up near saturation is the same.
+
+
+def max_rate_under_slo(service_rate: float, p99_slo: float) -> float:
+    """Exercise 4: Predict p99 from the arrival rate"""
+    # ln(100) / (mu - lambda) <= slo  <=>  lambda <= mu - ln(100) / slo
+    return max(0.0, service_rate - math.log(100) / p99_slo)

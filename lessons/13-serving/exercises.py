@@ -54,3 +54,28 @@ def max_request_rate(batch: int, seconds_per_step: float, mean_output_tokens: fl
     finish. Above it, the queue grows without bound.
     """
     raise NotImplementedError
+
+
+def p99_latency(arrival_rate: float, service_rate: float) -> float:
+    """Exercise 4: Predict p99 from the arrival rate
+
+    Predict before you measure. Requests arrive at random (a Poisson process, `arrival_rate` per second) at one
+    server that handles one request at a time, first come first served, each taking an exponentially distributed
+    time with mean 1 / `service_rate` (an M/M/1 queue: the simplest model of a server's front door, such as a
+    prefill slot). Return the 99th percentile of the time a request spends in the system (waiting + served).
+    Raise ValueError when arrival_rate >= service_rate: the queue then grows without bound and has no p99.
+
+    Hint: in an M/M/1 queue the time in the system is itself exponentially distributed; find its rate.
+    The check runs a simulated queue (200 000 seeded requests), never a timed one.
+    """
+    raise NotImplementedError
+
+
+def max_rate_under_slo(service_rate: float, p99_slo: float) -> float:
+    """Exercise 4: Predict p99 from the arrival rate
+
+    The same queue, turned around: the highest arrival rate whose p99 time in the system stays within
+    `p99_slo` seconds (0 if even an idle server misses it). This is capacity planning: how much traffic a
+    server can take before its slowest 1% breaks the promise.
+    """
+    raise NotImplementedError

@@ -2,7 +2,7 @@
 
 References: JSON round trips and a real stream from the package's server (on a tiny random model with the default
 model's tokenizer), the package's own parameter mapping (`minillm.serving.openai_api.sampling_config`), the load test's
-`summarize`, and a step-by-step simulation of a server's queue.
+`summarize`, a step-by-step simulation of a server's queue, and a simulated M/M/1 queue for the p99 predictions.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import httpx
+import numpy as np
 import pytest
 
 from minillm.serving.loadtest import Outcome, summarize
@@ -89,3 +90,32 @@ def test_exercise_3_littles_law_bounds_the_request_rate(answers):
     mean = sum(lengths) / len(lengths)
     simulated = simulated_throughput(8, 0.05, lengths)
     assert answers.max_request_rate(8, 0.05, mean) == pytest.approx(simulated, rel=0.02)
+
+
+def simulated_p99(arrival_rate: float, service_rate: float, n: int = 200_000, seed: int = 0) -> float:
+    """A first-come-first-served single-server queue, simulated request by request (Lindley's recursion)."""
+    rng = np.random.default_rng(seed)
+    gaps, services = rng.exponential(1 / arrival_rate, n), rng.exponential(1 / service_rate, n)
+    wait, in_system = 0.0, np.empty(n)
+    for i in range(n):  # wait_i = max(0, wait_{i-1} + service_{i-1} - gap_i)
+        if i:
+            wait = max(0.0, wait + services[i - 1] - gaps[i])
+        in_system[i] = wait + services[i]
+    return float(np.percentile(in_system[n // 10:], 99))  # the first tenth warms the queue up
+
+
+@pytest.mark.parametrize("arrival_rate, service_rate", [(1.0, 4.0), (3.0, 5.0), (8.0, 10.0)])
+def test_exercise_4_p99_matches_a_simulated_queue(answers, arrival_rate, service_rate):
+    predicted = answers.p99_latency(arrival_rate, service_rate)
+    simulated = simulated_p99(arrival_rate, service_rate)
+    assert predicted == pytest.approx(simulated, rel=0.08), f"predicted {predicted:.3f} s, simulated {simulated:.3f} s"
+    with pytest.raises(ValueError):
+        answers.p99_latency(service_rate, service_rate)  # utilization 1: no steady state
+
+
+def test_exercise_4_the_rate_an_slo_allows(answers):
+    assert answers.max_rate_under_slo(10.0, 0.1) == 0  # even alone a request's p99 is ln(100) / 10 = 0.46 s
+    rate = answers.max_rate_under_slo(10.0, 2.0)
+    assert 0 < rate < 10.0
+    assert simulated_p99(rate, 10.0) == pytest.approx(2.0, rel=0.08), "at that rate p99 sits at the objective"
+    assert answers.p99_latency(rate, 10.0) == pytest.approx(2.0, rel=1e-9)
