@@ -69,3 +69,24 @@ def perplexity(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     logprobs = F.log_softmax(logits[:-1].float(), dim=-1)  # [T - 1, V]: the predictions with a next token
     nll = -logprobs.gather(1, tokens[1:, None]).mean()
     return float(nll.exp())
+
+
+# ------------------------------------------------------------------ Exercise 5
+
+
+def int4_error_bounds(weight: torch.Tensor, group_size: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 5: Predict int4's worst-case error"""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group_size, group_size)
+    step = (w.amax(-1) - w.amin(-1)) / 15  # 16 levels span the group's range: 15 steps between them
+    weight_bound = step / 2  # round to nearest: never more than half a step away ([N, K / group_size])
+    per_weight = weight_bound.repeat_interleave(group_size, dim=1)  # [N, K]: each weight's own group bound
+    output_bound = x.float().abs() @ per_weight.T  # |Σ_k x_k e_k| <= Σ_k |x_k| |e_k| <= Σ_k |x_k| step_k / 2
+    return weight_bound, output_bound
+    # Both bounds are reached: a weight halfway between two levels is off by exactly half a step, and an input
+    # whose signs follow the errors' signs adds every error up with the same sign. For a random input the errors
+    # mostly cancel: they behave like independent draws from [-step/2, step/2] (standard deviation step/√12), so
+    # the typical output error grows like √K, not K. What sets the error is the group's range: one outlier
+    # weight widens its group's step for all the others, which is why smaller groups lose less (at the price of
+    # more scales: a float32 scale and zero per group are 2 extra bits per weight at 32, 0.5 at 128), and why
+    # int8's 255 steps are 17x finer than int4's 15.

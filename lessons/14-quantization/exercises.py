@@ -71,3 +71,20 @@ def perplexity(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     text allows. Work in float32 with log_softmax (never log(softmax(...)), which underflows).
     """
     raise NotImplementedError
+
+
+def int4_error_bounds(weight: torch.Tensor, group_size: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 5: Predict int4's worst-case error
+
+    Predict, without quantizing anything, how far groupwise int4 (exercise 2's scheme: each group's minimum at
+    q = 0, its maximum at q = 15, round to nearest) can move
+      - each weight: return a bound per group, float32 [N, K / group_size], that |w - ŵ| never exceeds for any
+        weight of the group, from the group's values alone;
+      - each output of x @ weight.T for the inputs x [B, K]: a bound [B, N] on |x @ w.T - x @ ŵ.T|.
+    Both bounds must be the tightest that hold whatever the rounding does (a constant group has no error).
+
+    The check quantizes with the package (`minillm.speed.quant.quantize_int4_groupwise`, then `dequantize_int4`):
+    no error exceeds your bounds, the weight bound is reached (nearly, by some weight of a large matrix), and the
+    output bound is reached exactly by the worst input for each output (x = ± the sign of each weight's error).
+    """
+    raise NotImplementedError

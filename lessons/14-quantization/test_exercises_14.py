@@ -85,3 +85,35 @@ def test_exercise_4_perplexity_equals_exp_cross_entropy(answers):
     confident = torch.full((4, 10), -1e4)
     confident[torch.arange(3), torch.tensor([1, 2, 3])] = 1e4  # certain of every next token
     assert answers.perplexity(confident, torch.tensor([0, 1, 2, 3])) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_exercise_5_int4_error_bounds_hold_and_are_tight(answers, group_size):
+    from minillm.speed.quant import dequantize_int4, quantize_int4_groupwise
+
+    gen = torch.Generator().manual_seed(5 + group_size)
+    N, K = 48, 256
+    weight = torch.randn(N, K, generator=gen) * torch.logspace(-2, 0, N)[:, None]  # rows of very different ranges
+    weight[0, :group_size] = 0.25  # a constant group: no error at all
+    x = torch.randn(6, K, generator=gen)
+    weight_bound, output_bound = answers.int4_error_bounds(weight, group_size, x)
+    assert weight_bound.shape == (N, K // group_size) and output_bound.shape == (6, N)
+    error = dequantize_int4(*quantize_int4_groupwise(weight, group_size)) - weight  # [N, K]
+    per_group = error.abs().reshape(N, K // group_size, group_size).amax(-1)
+    slack = 1e-6 * weight.abs().max()  # float32 rounding in the kernel's form (q - 8)·s + z
+    assert (per_group <= weight_bound + slack).all(), "a weight moved further than your bound"
+    assert weight_bound[0, 0] == 0, "a constant group is stored exactly"
+    assert (per_group.sum() / weight_bound.sum()) > 0.9, "your weight bound is far from what rounding reaches"
+    assert ((x @ error.T).abs() <= output_bound + K * slack).all(), "an output moved further than your bound"
+    # The worst weights sit half a step between two levels; the worst input lines up with their errors' signs.
+    low, step = torch.randn(N, K // group_size, 1, generator=gen), torch.rand(N, K // group_size, 1, generator=gen)
+    levels = torch.randint(0, 15, (N, K // group_size, group_size), generator=gen) + 0.5
+    levels[..., 0], levels[..., 1] = 0, 15  # the group's minimum and maximum
+    halfway = (low + levels * step).reshape(N, K)
+    error = dequantize_int4(*quantize_int4_groupwise(halfway, group_size)) - halfway
+    worst_x = torch.sign(error)  # row n: the input that makes output n as wrong as it can be
+    _, bound = answers.int4_error_bounds(halfway, group_size, worst_x)
+    reached = (worst_x * error).sum(-1)  # output n of input n
+    bound = bound.diagonal()
+    assert (reached <= bound + K * slack).all()
+    assert (reached >= 0.9 * bound).all(), "the worst weights and input should nearly reach your output bound"
