@@ -63,3 +63,28 @@ def count_graphs(fn, calls: list[tuple]) -> int:
         compiled(*args)
     return graphs
     # minillm.speed.compile.CompiledModel counts its Inductor graphs the same way (CompiledModel.graphs).
+
+
+# ------------------------------------------------------------------ Exercise 5
+
+
+def predict_graphs() -> dict[str, int]:
+    """Exercise 5: Predict the recompiles"""
+    # With dynamic=False, dynamo specialises a graph on every input's shape, dtype and device and on the value of
+    # every Python number or bool it reads; guards check them on each call, and a failed guard compiles again.
+    limit = torch._dynamo.config.recompile_limit  # 8 in torch 2.x: graphs kept per function before giving up
+    return {
+        "tensor_position": 1,  # a tensor's value is data, not a guard: one graph serves every position
+        "int_position_5": 5,  # a Python int is baked in as a constant: a graph per position
+        "int_position_12": min(12, limit),  # after `limit` graphs dynamo stops compiling it and runs it eagerly:
+        # the decode loop silently falls back to eager speed (a warning in the log, nothing else)
+        "batch_2_3_2": 2,  # a new batch size is a new shape; going back to 2 finds the first graph still cached
+        "flag_toggled": 2,  # a Python bool picks a branch while tracing: one graph per value, both kept
+        "dtype_change": 2,  # dtype is guarded like shape
+        "growing_cache": 5,  # S changes every step: a new shape, a new graph, every step
+    }
+    # A compiled decode loop must avoid the int position, the growing cache and a changing batch: the package's
+    # step (speed/compile.py) takes positions and write columns as tensors, writes into a cache allocated once at
+    # its full length (StaticCache, mask over the unwritten columns), and keeps every row in the batch until the
+    # run ends (finished rows are ignored, not dropped), so one graph serves every step. Settings that change a
+    # branch (greedy or not) belong outside the graph: the step returns logits and sampling runs eagerly.

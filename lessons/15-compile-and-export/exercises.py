@@ -59,3 +59,38 @@ def count_graphs(fn, calls: list[tuple]) -> int:
     is set up. Start from a fresh compile (`torch._dynamo.reset()`), so earlier calls do not count.
     """
     raise NotImplementedError
+
+
+def predict_graphs() -> dict[str, int]:
+    """Exercise 5: Predict the recompiles
+
+    Predict, before running anything, how many graphs `torch.compile(step, dynamic=False)` builds in each
+    scenario below (each from a fresh `torch._dynamo.reset()`, counted as in exercise 4). x is [B, 4], cache is
+    [B, S, 4], float32 unless said otherwise.
+
+        def step(x, cache, position):             # position: a 0-d long tensor
+            cache = cache.index_copy(1, position.reshape(1), x[:, None])
+            return cache, cache.sum()
+
+        def step_int(x, cache, position: int):    # the same step, the position a Python int
+            cache = cache.clone()
+            cache[:, position] = x
+            return cache, cache[:, : position + 1].sum()
+
+        def step_flag(x, cache, position, greedy: bool):
+            out = cache.sum() + x.sum()
+            return out.round() if greedy else out
+
+    Return a dict with one count per key:
+      "tensor_position":  step, B = 2, S = 16, positions 0..9 as tensors (10 calls)
+      "int_position_5":   step_int, B = 2, S = 16, positions 0..4 (5 calls)
+      "int_position_12":  step_int, B = 2, S = 16, positions 0..11 (12 calls)   (look up dynamo's recompile limit)
+      "batch_2_3_2":      step at position 1 with B = 2, then B = 3, then B = 2 again
+      "flag_toggled":     step_flag with greedy True, False, True, False (same tensors)
+      "dtype_change":     step in float32, then the same shapes in bfloat16
+      "growing_cache":    step with S = 4, 5, 6, 7, 8 (a cache that grows by one column a step), position 0..4
+
+    The check builds each scenario with a counting backend and compares. Then say which of these a compiled
+    decode loop must avoid, and how the package's fixed-shape step avoids each.
+    """
+    raise NotImplementedError

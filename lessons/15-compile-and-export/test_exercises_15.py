@@ -75,3 +75,55 @@ def test_exercise_4_graphs_counted_as_dynamo_compiles_them(answers):
     assert answers.count_graphs(step, [(x, 2), (x, 3), (x, 4)]) == 3  # a Python number is baked in
     assert answers.count_graphs(step, [(torch.ones(4), 2), (torch.ones(8), 2)]) == 2  # a new shape
     assert answers.count_graphs(step, [(x, torch.tensor(2)), (x, torch.tensor(3))]) == 1  # a tensor is an input
+
+
+def _step(x, cache, position):
+    cache = cache.index_copy(1, position.reshape(1), x[:, None])
+    return cache, cache.sum()
+
+
+def _step_int(x, cache, position: int):
+    cache = cache.clone()
+    cache[:, position] = x
+    return cache, cache[:, : position + 1].sum()
+
+
+def _step_flag(x, cache, position, greedy: bool):
+    out = cache.sum() + x.sum()
+    return out.round() if greedy else out
+
+
+def _measured_graphs(fn, calls) -> int:
+    graphs = 0
+
+    def counting_backend(graph_module, example_inputs):
+        nonlocal graphs
+        graphs += 1
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=counting_backend, dynamic=False)
+    for args in calls:
+        compiled(*args)
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_exercise_5_predicted_recompiles_are_the_measured_ones(answers):
+    predicted = answers.predict_graphs()
+    x, cache = torch.ones(2, 4), torch.zeros(2, 16, 4)
+    at = torch.tensor
+    scenarios = {
+        "tensor_position": (_step, [(x, cache, at(p)) for p in range(10)]),
+        "int_position_5": (_step_int, [(x, cache, p) for p in range(5)]),
+        "int_position_12": (_step_int, [(x, cache, p) for p in range(12)]),
+        "batch_2_3_2": (_step, [(x, cache, at(1)), (torch.ones(3, 4), torch.zeros(3, 16, 4), at(1)),
+                                (x, cache, at(1))]),
+        "flag_toggled": (_step_flag, [(x, cache, at(1), greedy) for greedy in (True, False, True, False)]),
+        "dtype_change": (_step, [(x, cache, at(1)), (x.bfloat16(), cache.bfloat16(), at(1))]),
+        "growing_cache": (_step, [(x, torch.zeros(2, 4 + p, 4), at(p)) for p in range(5)]),
+    }
+    assert set(predicted) == set(scenarios), f"predict exactly these scenarios: {sorted(scenarios)}"
+    wrong = {name: (predicted[name], _measured_graphs(fn, calls)) for name, (fn, calls) in scenarios.items()}
+    wrong = {name: counts for name, counts in wrong.items() if counts[0] != counts[1]}
+    assert not wrong, "predicted vs measured graphs: " + ", ".join(f"{n} {p} vs {m}" for n, (p, m) in wrong.items())
