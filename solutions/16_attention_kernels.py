@@ -91,3 +91,51 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
                               1 / math.sqrt(hd))
     m, l, acc = state
     return (acc / l[:, None])[0]
+
+
+# ------------------------------------------------------------------ Exercise 5
+
+
+def online_softmax(tiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 5: Online softmax by hand"""
+    m, l = torch.tensor(float("-inf")), torch.tensor(0.0)
+    for tile in tiles:
+        m_new = torch.maximum(m, tile.max())
+        if m_new == float("-inf"):  # nothing visible yet: exp(-inf - (-inf)) would be NaN, and there is nothing to add
+            continue
+        # The sum so far was taken against the old maximum: exp(x - m) = exp(x - m_new) · exp(m - m_new).
+        l = l * torch.exp(m - m_new) + torch.exp(tile - m_new).sum()
+        m = m_new
+    return m, l
+    # Subtracting the maximum keeps every exp(x - m) in (0, 1]: no overflow, whatever the scores. The running
+    # version never needs all scores at once, which is what lets flash attention (exercise 2) stream the keys
+    # tile by tile: the same rescaling is applied to the output accumulator, acc · exp(m - m_new). m is the
+    # exact maximum (max is exact in floating point), so exp(x - m) are the very floats torch.softmax computes;
+    # only the sum l is added up in another order, which changes its last bits at most.
+
+
+# ------------------------------------------------------------------ Exercise 6
+
+
+def attention_cost(kind: str, T: int, S: int, H: int, KV: int, hd: int, block_q: int = 128,
+                   element: int = 4) -> dict:
+    """Exercise 6: The cost of attention at a context length"""
+    io = 2 * H * T * hd * element  # q read once, the output written once
+    if kind == "naive":
+        pairs = T * S
+        scores = 4 * H * T * S * element  # scores written, read (softmax), probabilities written, read (p v)
+        moved = io + 2 * KV * S * hd * element + scores
+    elif kind == "flash":
+        tiles = range(0, T, block_q)
+        last_key = [S - T + min(q0 + block_q, T) for q0 in tiles]  # keys 0 .. the tile's last query's last key
+        pairs = sum(min(block_q, T - q0) * keys for q0, keys in zip(tiles, last_key))
+        moved = io + sum(2 * KV * keys * hd * element for keys in last_key)  # k and v once per query tile
+    else:
+        raise ValueError(f"no cost model for {kind!r}: use naive or flash")
+    return {"flops": 2 * 2 * pairs * hd * H, "bytes": moved}  # q kᵀ and p v: hd mul-adds each, per pair and head
+    # Read at SmolLM2's shape (H = 9, KV = 3, hd = 64) in float32. A decode step at S = 8192 (T = 1): 18.9 MFLOP
+    # and 12.6 MB, 1.5 FLOP per byte whatever S (each key is used by the H / KV = 3 query heads sharing it):
+    # memory-bound on any machine, so a long context's decode costs the bytes of its cache (lesson 06). A
+    # prefill of 4096 tokens: naive computes 38.7 GFLOP and moves 2.4 GB, nearly all of it scores (16 FLOP per
+    # byte); flash with 128-row tiles computes 52% of those FLOPs and moves 5% of those bytes (162 FLOP per byte).
+    # Flash's intensity grows with block_q, which is why a tiled kernel can be compute-bound where naive never is.

@@ -68,3 +68,43 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     Returns out [hd].
     """
     raise NotImplementedError
+
+
+def online_softmax(tiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 5: Online softmax by hand
+
+    `tiles` is an iterator over consecutive tiles (1-D float32 tensors) of one row of scores; it can be walked
+    once. Walk it, keeping only two numbers: the running maximum m and the running sum l of exp(score - m),
+    rescaling l whenever m grows. Return (m, l) as 0-d float32 tensors, so that softmax(scores) =
+    exp(scores - m) / l and logsumexp(scores) = m + log(l).
+
+    Scores may be -inf (masked keys), a whole tile may be -inf (even the first one), and there may be no
+    finite score at all: then return m = -inf and l = 0. No NaN anywhere.
+
+    The check compares exp(scores - m) / l with torch.softmax in float32 (m must be the maximum exactly, so
+    the numerators are the very same floats; l may differ from torch's sum only by float32 rounding).
+    """
+    raise NotImplementedError
+
+
+def attention_cost(kind: str, T: int, S: int, H: int, KV: int, hd: int, block_q: int = 128,
+                   element: int = 4) -> dict:
+    """Exercise 6: The cost of attention at a context length
+
+    Predict from the shapes alone the FLOPs and the bytes moved by a causal attention of T queries (the last T
+    of S keys; T = S is a prefill, T = 1 a decode step), H query heads sharing KV key/value heads of size hd,
+    `element` bytes per value. Return {"flops": ..., "bytes": ...} for kind "naive" or "flash", counting as the
+    lesson's benchmark does:
+
+    - FLOPs: 2 per multiply-add, in q kᵀ and in p v, over the (query, key) pairs the kernel computes. Naive
+      computes all T·S pairs (and masks half). Flash walks query tiles of `block_q` rows (the last one shorter)
+      and, for each, every key up to the tile's last visible key: query t sees keys 0 .. S - T + t.
+    - Bytes, at the least: q read and the output written once (H·T·hd values each). Naive reads k and v once
+      (KV·S·hd each) and also writes the [H, T, S] scores, reads them for the softmax, writes the
+      probabilities and reads them again for p v. Flash reads k and v up to the tile's last visible key once
+      per query tile, and never stores a score.
+
+    Raise ValueError for any other kind. The check compares with the benchmark's own accounting,
+    `minillm.bench.attention.attention_cost`, over many shapes.
+    """
+    raise NotImplementedError

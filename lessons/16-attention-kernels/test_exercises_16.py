@@ -100,3 +100,46 @@ def test_exercise_4_paged_decode_equals_attention_over_the_gathered_keys(answers
         expected = torch.softmax(k @ q / hd ** 0.5, dim=0) @ v
         out = answers.paged_decode(q, k_pool, v_pool, table, length)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"length {length}: {m}")
+
+
+# ------------------------------------------------------------------ Exercise 5
+
+
+def tiles_of(scores, size):
+    """A one-pass iterator over the tiles (it cannot be rewound)."""
+    return (scores[i: i + size] for i in range(0, len(scores), size))
+
+
+def test_exercise_5_online_softmax_equals_torch_softmax(answers):
+    gen = torch.Generator().manual_seed(5)
+    for n, size, spread in [(1, 1, 1.0), (7, 3, 1.0), (100, 16, 30.0), (1000, 64, 100.0), (257, 1, 5.0)]:
+        scores = torch.randn(n, generator=gen) * spread
+        scores[torch.rand(n, generator=gen) < 0.2] = float("-inf")  # masked keys
+        scores[: min(size, n - 1)] = float("-inf")  # a first tile that sees nothing
+        scores[-1] = scores[-1] if scores[-1] > float("-inf") else 0.0  # at least one visible key
+        m, l = answers.online_softmax(tiles_of(scores, size))
+        assert m.dtype == l.dtype == torch.float32 and m.shape == l.shape == ()
+        assert m == scores.max(), "m must be the maximum itself, not an estimate of it"
+        probs = torch.exp(scores - m) / l
+        torch.testing.assert_close(probs, torch.softmax(scores, dim=0), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m + torch.log(l), torch.logsumexp(scores, dim=0), rtol=1e-6, atol=1e-6)
+    m, l = answers.online_softmax(tiles_of(torch.full((10,), float("-inf")), 4))  # nothing visible at all
+    assert m == float("-inf") and l == 0 and not (m.isnan() or l.isnan())
+
+
+# ------------------------------------------------------------------ Exercise 6
+
+
+def test_exercise_6_costs_are_the_benchmarks(answers):
+    from minillm.bench.attention import attention_cost
+
+    assert answers.attention_cost("naive", 4, 4, 1, 1, 2)["flops"] == 4 * 16 * 2  # 16 pairs, 2 mul-adds of hd = 2
+    for T, S in [(1, 1), (1, 8192), (64, 64), (100, 100), (37, 300), (512, 512), (4096, 4096)]:
+        for H, KV, hd in [(9, 3, 64), (12, 12, 64), (8, 1, 128)]:
+            for block_q in (16, 64):
+                for kind in ("naive", "flash"):
+                    expected = attention_cost(kind, T, S, H, KV, hd, block_q=block_q, element=2)
+                    got = answers.attention_cost(kind, T, S, H, KV, hd, block_q=block_q, element=2)
+                    assert got == expected, (kind, T, S, H, KV, hd, block_q)
+    with pytest.raises(ValueError):
+        answers.attention_cost("sdpa", 4, 4, 1, 1, 2)
