@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from minillm.model.config import ModelConfig
+
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Exercise 1: Gemma's norm by hand"""
@@ -25,3 +27,35 @@ def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
     evens, odds = torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)
     passing = torch.arange(rotary_dim, head_dim)
     return torch.cat((evens, passing[:still], odds, passing[still:]))
+
+
+def config_from_transformers(hf: dict) -> ModelConfig:
+    """Exercise 4: A family's config from transformers' config"""
+    kind = hf.get("model_type")
+    if kind not in ("llama", "qwen2"):
+        raise ValueError(f"model_type {kind!r}: this mapping reads llama and qwen2 configs")
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}  # old style, then new
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r}: only plain RoPE is mapped here")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r}: a Llama-shaped MLP gates with silu")
+    if kind == "qwen2" and hf.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True: map Qwen2's sliding layers too (the package does, see qwen_config)")
+    if kind == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        raise ValueError("a Llama with biases: not the plain Llama shape")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"], n_layer=hf["num_hidden_layers"],
+        n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"), d_model=hf["hidden_size"],
+        d_ff=hf["intermediate_size"], head_dim=hf.get("head_dim"),
+        norm="rmsnorm", norm_eps=hf["rms_norm_eps"], positions="rope", mlp="swiglu",
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        bias=False,  # no bias on the output and MLP projections, nor in the norms
+        qkv_bias=kind == "qwen2",  # Qwen2's one difference from Llama: q, k and v have a bias
+        tie_embeddings=hf.get("tie_word_embeddings", False),  # transformers' default is untied; SmolLM2 ties
+    )
+    # Every switch that is not named keeps GPT-2's default in ModelConfig, so the mapping must name all that
+    # differ: rmsnorm, rope, swiglu, no biases. A forgotten one fails loudly or quietly: qkv_bias=False for Qwen2
+    # leaves its q/k/v biases out of the state dict (a strict load refuses), while a forgotten rope_theta (Qwen2
+    # uses 1 000 000, not 10 000) loads fine and only the logits show it, worse at long distances. That is why
+    # the check compares logits, not only fields. head_dim may be absent (d_model / n_head) or wider (Gemma,
+    # Qwen3); n_kv_head may be absent (plain multi-head attention).

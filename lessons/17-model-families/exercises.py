@@ -49,3 +49,23 @@ def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
     q·k must agree (reordering q and k alike changes no dot product).
     """
     raise NotImplementedError
+
+
+def config_from_transformers(hf: dict):
+    """Exercise 4: A family's config from transformers' config
+
+    `hf` is a checkpoint's config.json as a dict (transformers' `config.to_dict()`), of model_type "llama" or
+    "qwen2". Return the `minillm.model.config.ModelConfig` that makes minillm's one Transformer compute the same
+    network: read the sizes (vocab, context, layers, query and key/value heads, hidden size, MLP size, head_dim
+    when given), the RMSNorm epsilon, the RoPE base (transformers 5 keeps it in hf["rope_parameters"]["rope_theta"],
+    older configs in hf["rope_theta"]; 10000 when absent), whether the LM head is tied to the embedding, and the
+    family's own switches: what is Llama-shaped about both (norm, positions, MLP, biases), and what Qwen2 adds.
+
+    Raise ValueError for anything else: another model_type, a RoPE scaling other than "default", a sliding
+    window in use (Qwen2's use_sliding_window), an MLP activation other than silu, Llama's attention_bias.
+
+    The check compares with the package's own mapping (`minillm.model.checkpoint.config_from_hf`), then builds a
+    minillm Transformer from your config, loads transformers' tiny random models' weights into it and compares
+    the logits with transformers' (plain and grouped heads, tied and untied heads, several RoPE bases).
+    """
+    raise NotImplementedError

@@ -1,10 +1,13 @@
 """Checks for lesson 17's exercises: `pytest lessons/17-model-families` (yours) or `--solutions`.
 
 References: minillm's and transformers' norms, a brute-force mask and transformers' MistralForCausalLM,
-`minillm.model.weight_names.rotary_order` and GPT-J's own rotation of neighbouring pairs.
+`minillm.model.weight_names.rotary_order` and GPT-J's own rotation of neighbouring pairs, the package's config
+mapping (`minillm.model.checkpoint.config_from_hf`) and transformers' Llama and Qwen2 logits.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -83,3 +86,62 @@ def test_exercise_3_order_matches_the_package_and_keeps_scores(answers, head_dim
     ours = apply_rope(q[..., order], *rope) @ apply_rope(k[..., order], *rope).transpose(-1, -2)
     theirs = gptj_rotate(q) @ gptj_rotate(k).transpose(-1, -2)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def resolved(config):
+    """A ModelConfig with its None defaults resolved, so that two ways of saying the same model compare equal."""
+    return dataclasses.replace(config, n_kv_head=config.kv_heads, head_dim=config.head_size,
+                               d_ff=config.d_ff or 4 * config.d_model)
+
+
+def llama_or_qwen2(kind, seed, **settings):
+    import transformers as tf
+
+    from minillm.model.tiny import randomized
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=96, max_position_embeddings=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, rms_norm_eps=1e-6) | settings
+    config = tf.LlamaConfig(**common) if kind == "llama" else tf.Qwen2Config(**common)
+    model = (tf.LlamaForCausalLM if kind == "llama" else tf.Qwen2ForCausalLM)(config)
+    return randomized(model, gemma=False).eval()
+
+
+VARIANTS = [
+    ("llama", dict(num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)),
+    ("llama", dict(num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=True)),  # plain multi-head
+    ("llama", dict(num_key_value_heads=1, rope_theta=1000.0, tie_word_embeddings=False, head_dim=16)),  # MQA, wide
+    ("qwen2", dict(num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True)),
+    ("qwen2", dict(num_key_value_heads=1, rope_theta=10000.0, tie_word_embeddings=False)),
+]
+
+
+@pytest.mark.parametrize("kind, settings", VARIANTS, ids=lambda v: v if isinstance(v, str) else None)
+def test_exercise_4_the_config_gives_transformers_logits(answers, kind, settings):
+    from minillm.model.checkpoint import config_from_hf, hf_to_minillm_state
+    from minillm.model.transformer import Transformer
+
+    hf_model = llama_or_qwen2(kind, seed=len(settings), **settings)
+    hf = hf_model.config.to_dict()
+    mine = answers.config_from_transformers(hf)
+    assert isinstance(mine, ModelConfig)
+    assert resolved(mine) == resolved(config_from_hf(hf)), "your config differs from the package's mapping"
+    model = Transformer(mine)
+    model.load_state_dict(hf_to_minillm_state(hf_model.state_dict(), mine, kind), strict=True)
+    tokens = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = model.eval()(tokens, torch.arange(20).expand(2, 20))
+        torch.testing.assert_close(got, hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_exercise_4_old_style_configs_and_refusals(answers):
+    hf = llama_or_qwen2("qwen2", seed=0, num_key_value_heads=2, rope_theta=1000000.0).config.to_dict()
+    old_style = {k: v for k, v in hf.items() if k != "rope_parameters"} | {"rope_theta": 1000000.0}
+    assert answers.config_from_transformers(old_style).rope_theta == 1000000.0
+    for bad in ({"model_type": "gpt2"}, {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+                {"use_sliding_window": True, "sliding_window": 16}, {"hidden_act": "gelu"}):
+        with pytest.raises(ValueError):
+            answers.config_from_transformers(hf | bad)
+    llama = llama_or_qwen2("llama", seed=0, num_key_value_heads=2).config.to_dict()
+    with pytest.raises(ValueError):
+        answers.config_from_transformers(llama | {"attention_bias": True})
