@@ -191,7 +191,8 @@ def _speculative_bullets(data: dict) -> str:
                              "extraction); elsewhere its drafts are rejected and verifying them is wasted work."))
     bullets.append(md.bullet(
         f"Verifying k + 1 tokens in one forward costs {md.span(data['verify_cost'].values(), 1)} single-token "
-        "forwards (measured), which is what caps the gain."))
+        "forwards (measured): about one, so verifying a draft is nearly free here and what caps the gain is how "
+        "much of it is accepted (and, for a draft model, its cost c)."))
     for spec, cost in data["draft_cost_ratio"].items():
         rows = [row for result in tasks.values() for row in result["contenders"].get(f"minillm draft {spec}", {})
                 .values()]

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from ..decoding.sampling import SamplingConfig
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
-from ..strategies.acceptance import predicted_speedup
+from ..strategies.acceptance import acceptance_from_share, predicted_speedup
 from ..strategies.drafters import DraftModel, PromptLookup, load_draft
 from ..strategies.generate import generate
 from ..strategies.speculative import speculative_generate
@@ -149,14 +149,19 @@ def measure_task(model, tokenizer, prompt: str, ks, max_new_tokens: int, repeats
 
 
 def add_predictions(task: dict, verify_cost: dict, draft_cost: dict) -> None:
-    """The cost model's speedup for each minillm drafter, from its measured acceptance."""
+    """The cost model's speedup for each minillm drafter, from its measured acceptance.
+
+    The measured rate is accepted / drafted; the model's a is the per-token acceptance probability,
+    recovered from it (`acceptance_from_share`), so the predicted tokens per round are 1 + k·rate.
+    """
     for name, rows in task["contenders"].items():
         if not name.startswith("minillm"):
             continue
         c = draft_cost.get(name.removeprefix("minillm draft "), 0.0)  # prompt lookup costs ~nothing
         for k, row in rows.items():
             a = row["acceptance_rate"]
-            row["predicted_speedup"] = None if a != a else predicted_speedup(a, k, c, verify_cost[k])
+            row["predicted_speedup"] = None if a != a else predicted_speedup(acceptance_from_share(a, k), k, c,
+                                                                             verify_cost[k])
 
 
 def run(args) -> dict:

@@ -64,6 +64,25 @@ def expected_tokens_per_round(acceptance_rate: float, k: int) -> float:
     return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
+def acceptance_from_share(accepted_share: float, k: int) -> float:
+    """The per-token acceptance probability a that makes a fraction `accepted_share` of k drafted tokens accepted.
+
+    What a run measures is accepted / drafted. Under the model (each drafted token accepted with
+    probability a, independently, until the first rejection) a round accepts a + a² + ... + a^k
+    tokens on average, so accepted / drafted = a(1 - a^k) / (k(1 - a)), which is below a for k > 1.
+    Feeding the measured share to `expected_tokens_per_round` as if it were a would predict too few
+    tokens; this inverts the relation (bisection), and then expected_tokens_per_round(a, k) = 1 + k·share.
+    """
+    if not 0.0 <= accepted_share <= 1.0:
+        raise ValueError(f"accepted_share={accepted_share}: a share of drafted tokens lies in [0, 1]")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        a = (low + high) / 2
+        share = (expected_tokens_per_round(a, k) - 1) / k
+        low, high = (a, high) if share < accepted_share else (low, a)
+    return (low + high) / 2
+
+
 def predicted_speedup(acceptance_rate: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
     """Expected speedup over plain decoding when a draft forward costs `cost_ratio` target forwards
     and verifying k + 1 tokens costs `verify_cost` one-token target forwards (1 when weight
@@ -71,4 +90,5 @@ def predicted_speedup(acceptance_rate: float, k: int, cost_ratio: float, verify_
     return expected_tokens_per_round(acceptance_rate, k) / (k * cost_ratio + verify_cost)
 
 
-__all__ = ["acceptance_probability", "residual_distribution", "verify_token", "expected_tokens_per_round", "predicted_speedup"]
+__all__ = ["acceptance_probability", "residual_distribution", "verify_token", "expected_tokens_per_round",
+           "acceptance_from_share", "predicted_speedup"]
