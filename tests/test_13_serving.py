@@ -304,38 +304,81 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(t
         assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 5
 
 
-def test_metrics_count_what_the_requests_did_in_prometheus_format(tiny_model):
-    """/metrics parses with Prometheus' own parser, and its counts equal what the responses reported: tokens in and
-    out (usage), requests by finish reason, one latency sample per request; the gauges read an idle engine."""
+def scrape(server) -> tuple[dict, dict]:
+    """/metrics read with Prometheus' own parser: ({family name: its type}, {(sample name, labels): value})."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    response = httpx.get(server.url + "/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    types, samples = {}, {}
+    for family in text_string_to_metric_families(response.text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return types, samples
+
+
+METRIC_TYPES = {"minillm_requests_waiting": "gauge", "minillm_requests_running": "gauge",
+                "minillm_kv_blocks_used": "gauge", "minillm_kv_blocks_total": "gauge",
+                "minillm_prefix_cache_hit_rate": "gauge", "minillm_prompt_tokens": "counter",
+                "minillm_generation_tokens": "counter", "minillm_requests_finished": "counter",
+                "minillm_time_to_first_token_seconds": "histogram",
+                "minillm_time_per_output_token_seconds": "histogram",
+                "minillm_e2e_request_latency_seconds": "histogram"}
+
+
+def test_metrics_count_what_the_requests_did_in_prometheus_format(tiny_model):
+    """/metrics parses with Prometheus' own parser, names and types as documented (lesson 13), and between two
+    scrapes its counters move by exactly what the responses reported: tokens in and out (usage), requests by finish
+    reason, one latency sample per request; the gauges read the engine itself (its idle pool, the hit rate /stats
+    reports)."""
     model, tokenizer = tiny_model
     with BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=64, block_size=8) as server:
+        types, before = scrape(server)
         client = client_for(server)
+        story = "Once upon a time there was a lighthouse keeper who counted ships"  # full blocks of 8, sent twice
         usages = [client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0).usage
-                  for prompt, n in (("Once upon a time", 5), ("The capital of France is", 3))]
+                  for prompt, n in ((story, 5), (story, 2), ("The capital of France is", 3))]
         chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=4, stream=True,
                                                      stream_options={"include_usage": True}))
         usages.append(chunks[-1].usage)
-        wait_until_idle(server)
-        response = httpx.get(server.url + "/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        stats = wait_until_idle(server)
+        _, after = scrape(server)
+    # prometheus_client also writes each counter's and histogram's start time as a `<name>_created` gauge
+    assert {name: kind for name, kind in types.items() if not name.endswith("_created")} == METRIC_TYPES
 
-    def value(name, **labels):
-        return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+    def value(samples, name, **labels):
+        return samples.get((name, tuple(sorted({"model_name": "tiny", **labels}.items()))), 0.0)
 
-    assert value("minillm_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert value("minillm_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 5 + 3 + 4
-    assert value("minillm_requests_finished_total", finish_reason="length") == 3
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("minillm_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert moved("minillm_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 5 + 2 + 3 + 4
+    assert moved("minillm_requests_finished_total", finish_reason="length") == 4
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
-        assert value(f"minillm_{name}_count") == 3 and value(f"minillm_{name}_sum") > 0
-    assert value("minillm_requests_waiting") == value("minillm_requests_running") == value("minillm_kv_blocks_used") == 0
-    assert value("minillm_kv_blocks_total") == 64
+        assert moved(f"minillm_{name}_count") == 4 and moved(f"minillm_{name}_sum") > 0
+        assert value(after, f"minillm_{name}_bucket", le="+Inf") == 4
+    assert value(after, "minillm_requests_waiting") == value(after, "minillm_requests_running") == 0
+    assert value(after, "minillm_kv_blocks_used") == 0 and value(after, "minillm_kv_blocks_total") == 64
+    assert value(after, "minillm_prefix_cache_hit_rate") == stats["prefix_hit_rate"] > 0  # the story's second time
+
+
+def test_each_server_counts_in_its_own_registry(tiny_model):
+    """Two servers of one model in one process (tests, a notebook) neither collide nor share counts: each app has
+    its own CollectorRegistry, never prometheus_client's global one."""
+    from prometheus_client import REGISTRY
+
+    model, tokenizer = tiny_model
+    with BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=32, block_size=8) as first, \
+            BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=32, block_size=8) as second:
+        client_for(first).completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
+        wait_until_idle(first)
+        counted = {server: scrape(server)[1][("minillm_generation_tokens_total", (("model_name", "tiny"),))]
+                   for server in (first, second)}
+    assert counted == {first: 3, second: 0}
+    assert REGISTRY.get_sample_value("minillm_generation_tokens_total", {"model_name": "tiny"}) is None
 
 
 def test_release_forgets_only_finished_requests(tiny_model):
