@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .base import jsonio
 from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
-from .decoding.outputs import encode_prompts
+from .decoding.outputs import check_fits_context, encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
 from .strategies.streaming import PrintStreamer
 
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slide", action="store_true",
                    help="let the context window slide when a prompt plus --max-new-tokens outgrows the model's "
                         "context (the model then sees only its most recent tokens, lesson 02); without it such a "
-                        "request is refused before anything runs")
+                        "request is refused before anything runs (plain generation: speculative decoding and beam "
+                        "search never slide)")
     p.add_argument("--cache", default="static", choices=("static", "dynamic", "none"),
                    help="KV cache: 'static' (preallocated, default), 'dynamic' (grows), 'none' (recompute each step)")
     p.add_argument("--plain", action="store_true",
@@ -209,20 +210,22 @@ def check_flag_combinations(args) -> None:
     if args.compile and (args.num_beams > 1 or args.cache != "static"):
         raise ValueError("--compile applies to plain and speculative generation over the static cache: drop "
                          "--num-beams or --cache")
+    if args.slide and (args.speculative or args.num_beams > 1):
+        raise ValueError("--slide applies to plain generation: speculative decoding and beam search never slide the "
+                         "window; drop --slide, or --speculative / --num-beams")
     if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 
 
-def check_fits_context(rows: list[list[int]], max_new_tokens: int, context: int) -> None:
-    """A request that would slide past the model's context without --slide is refused, as the server refuses it:
-    an unreachable --max-new-tokens would otherwise run on for as long as it is allowed, printing nothing."""
+def check_rows_fit_context(rows: list[list[int]], args, context: int) -> None:
+    """The longest prompt plus --max-new-tokens must fit the context unless --slide asks for the sliding window
+    (`check_fits_context`, the check the server makes): an unreachable --max-new-tokens would otherwise run on for
+    as long as it is allowed, printing nothing with --json. Speculative decoding and beam search never slide."""
     longest = max(range(len(rows)), key=lambda i: len(rows[i]))
-    if len(rows[longest]) + max_new_tokens > context:
-        room = context - len(rows[longest])
-        fix = f"lower --max-new-tokens to at most {room}" if room > 0 else "shorten the prompt"
-        raise ValueError(f"prompt {longest} ({len(rows[longest])} tokens) plus --max-new-tokens {max_new_tokens} "
-                         f"outgrows the model's context of {context} tokens: {fix}, or pass --slide to let the "
-                         f"window slide")
+    strategy = "speculative decoding" if args.speculative else "beam search" if args.num_beams > 1 else None
+    also = f" ({strategy} does not slide the window)" if strategy else ", or pass --slide to let the window slide"
+    check_fits_context(len(rows[longest]), args.max_new_tokens, context, prompt=f"prompt {longest}",
+                       budget="--max-new-tokens", also=also)
 
 
 def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -> str:
@@ -303,8 +306,8 @@ def run(args) -> int:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
     # Encoded once here: the context check reads the ids, and every strategy takes them as they are
     rows = encode_prompts([prompt_text(tokenizer, p, args.chat, args.system) for p in prompts], tokenizer)
-    if beam is None and not args.speculative and not args.slide:
-        check_fits_context(rows, config.max_new_tokens, model.config.context_length)
+    if not args.slide:
+        check_rows_fit_context(rows, args, model.config.context_length)
     stream = not args.json and len(rows) == 1 and beam is None
     compile = True if args.compile else False if args.eager else None  # None: the kept graphs if built
     if beam is not None:  # every prompt in one search; beams do not stream (they change until the end)

@@ -119,17 +119,39 @@ def test_nan_logits_are_refused_not_sampled():
             generate(model, [[1, 2, 3]], config, max_new_tokens=3)
 
 
-def test_an_unreachable_max_new_tokens_is_refused_unless_sliding_is_asked(capsys):
-    """Without --slide, a prompt plus --max-new-tokens longer than the context is one line naming the most that fits
-    (it used to run on, sliding, for as long as it was allowed); with --slide it runs."""
-    from minillm.speed.load import load_model
-
-    _, tokenizer = load_model("default")
+@pytest.mark.parametrize("flags, unless", [
+    ([], ", or pass --slide to let the window slide"),
+    (["--speculative", "prompt-lookup"], " (speculative decoding does not slide the window)"),
+    (["--num-beams", "2"], " (beam search does not slide the window)"),
+])
+def test_an_unreachable_max_new_tokens_is_refused_unless_sliding_is_asked(capsys, default_model, flags, unless):
+    """Without --slide, a prompt plus --max-new-tokens longer than the context is one line naming the most that fits,
+    in the words the server uses for the same request (one check, `check_fits_context`); it used to run on, sliding,
+    for as long as it was allowed. Speculative decoding and beam search, which never slide, are refused alike."""
+    _, tokenizer = default_model
     prompt_tokens = len(tokenizer.encode("Hi"))
-    line = one_error_line(capsys, ["--prompt", "Hi", "--no-chat", "--json", "--max-new-tokens", "100000000"])
-    assert (f"prompt 0 ({prompt_tokens} tokens) plus --max-new-tokens 100000000 outgrows the model's context of 8192 "
-            f"tokens: lower --max-new-tokens to at most {8192 - prompt_tokens}, or pass --slide") in line
-    assert main(["--prompt", "Hi", "--no-chat", "--json", "--max-new-tokens", "2", "--slide"]) == 0
+    line = one_error_line(capsys, ["--prompt", "Hi", "--no-chat", "--json", "--max-new-tokens", "100000000", *flags])
+    assert line == (f"minillm: error: this model's maximum context length is 8192 tokens, but prompt 0 has "
+                    f"{prompt_tokens} tokens and --max-new-tokens asks for 100000000 more: lower --max-new-tokens to "
+                    f"at most {8192 - prompt_tokens} or shorten prompt 0{unless}")
+    if not flags:
+        assert main(["--prompt", "Hi", "--no-chat", "--json", "--max-new-tokens", "2", "--slide"]) == 0
+
+
+def test_the_cli_and_the_server_refuse_an_unreachable_budget_in_the_same_words():
+    """The server's 400 and the CLI's line come from one check: the same sentence but for the knob's name."""
+    from minillm.serving.openai_api import APIError, CompletionRequest, max_new_tokens
+
+    with pytest.raises(APIError) as refused:
+        max_new_tokens(CompletionRequest(prompt="x", max_tokens=60), 50, 100)
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+    assert str(refused.value) == ("this model's maximum context length is 100 tokens, but the prompt has 50 tokens and "
+                                  "max_tokens asks for 60 more: lower max_tokens to at most 50 or shorten the prompt")
+
+
+@pytest.mark.parametrize("flags", [["--speculative", "prompt-lookup"], ["--num-beams", "2"]])
+def test_slide_is_refused_where_the_window_never_slides(capsys, flags):
+    assert "--slide applies to plain generation" in one_error_line(capsys, ["--prompt", "hi", "--slide", *flags])
 
 
 @pytest.mark.parametrize("flags", [["--max-new-tokens", "0"],
@@ -176,12 +198,57 @@ def test_leaving_a_stream_early_then_exiting_is_clean():
     assert "terminate called" not in result.stderr and "Traceback" not in result.stderr
 
 
-def test_serve_and_compile_refuse_quantization_off_the_cpu_before_loading(capsys):
-    """Every command that loads a model says which quantizations run where, in one line, before any weight moves."""
-    from minillm.compile import main as compile_main
-    from minillm.serve import main as serve_main
+QUANTS = ("none", "int8", "int4", "gguf", "dynamic-int8")  # every --quant choice (base.commands.add_quant_flag)
+GPUS = torch.cuda.device_count()
 
-    assert serve_main(["--port", "0", "--quant", "int8", "--device", "cuda"]) == 2
-    assert compile_main(["--quant", "gguf", "--device", "cuda:0"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and all("runs CPU kernels (lesson 14), not on cuda" in line for line in lines), lines
+
+def refusal(device: str, quant: str) -> str | None:
+    """What each command must say, in one line, for --device `device` --quant `quant` here; None where it runs."""
+    if device == "banana":
+        return "unknown device 'banana': use cpu or cuda"
+    if quant != "none":  # true on every machine: the quantized kernels are CPU kernels
+        return f"--quant {quant} runs CPU kernels (lesson 14), not on {device}"
+    if device == "mps":
+        return "unsupported device 'mps': use cpu or cuda"
+    if not GPUS:
+        return f"device {device} was asked for but no CUDA GPU is available here; use --device cpu"
+    if device == "cuda:7" and GPUS <= 7:
+        return f"device cuda:7 was asked for but this machine has {GPUS} CUDA GPU"
+    return None
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("device", ["cuda", "cuda:7", "mps", "banana"])
+@pytest.mark.parametrize("command", ["infer", "serve", "compile"])
+def test_every_quant_and_device_is_refused_in_one_line_before_any_weight_moves(capsys, monkeypatch, command, device,
+                                                                                quant):
+    """infer, serve and compile share load_model's checks: a quantization off the CPU, a GPU this machine lacks, a
+    device torch cannot run the model on or does not know, each one line and exit 2 before the checkpoint is even
+    located (the CPU runs every quantization: the suites and test_14 run them)."""
+    import importlib
+
+    expected = refusal(device, quant)
+    if expected is None:
+        pytest.skip(f"--device {device} --quant {quant} runs on this machine")
+
+    def located(*args, **kwargs):
+        raise AssertionError("the checkpoint was located: the refusal came too late")
+
+    monkeypatch.setattr("minillm.model.loading.resolve_checkpoint_folder", located)
+    first = {"infer": ["--prompt", "hi"], "serve": ["--port", "0"], "compile": []}[command]
+    assert importlib.import_module(f"minillm.{command}").main([*first, "--device", device, "--quant", quant]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("minillm: error: ") and expected in err, err
+
+
+def test_a_gpu_index_past_the_machine_is_refused_before_loading(monkeypatch):
+    """On a one-GPU machine (simulated here) cuda:7 is refused by name; moving the weights there would fail only after
+    the whole checkpoint was read."""
+    from minillm.model.loading import ModelLoadError, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0") and resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ModelLoadError, match=r"device cuda:7 was asked for but this machine has 1 CUDA GPU \(cuda:0\); "
+                                             r"use one of them"):
+        resolve_device("cuda:7")

@@ -137,6 +137,25 @@ def check_prompts(rows: list[list[int]], context_length: int, vocab_size: int) -
             raise ValueError(f"prompt {i} holds a token id outside the vocabulary [0, {vocab_size})")
 
 
+def check_fits_context(prompt_tokens: int, max_new_tokens: int, context: int, *, prompt: str = "the prompt",
+                       budget: str = "max_new_tokens", also: str = "") -> None:
+    """Refuse a prompt plus a token budget that outgrows the context, before any model work.
+
+    Without a sliding window, tokens past the context cannot be computed: the request
+    could only fail late or run on, sliding, for as long as it is allowed. The command
+    line and the server refuse it with this one check, each naming its own knobs:
+    `prompt` (which prompt), `budget` (the flag or field that set max_new_tokens) and
+    `also` (one more way out, such as the CLI's --slide). The message opens as OpenAI's
+    does ("this model's maximum context length is ..."), which clients look for.
+    """
+    if prompt_tokens + max_new_tokens <= context:
+        return
+    room = context - prompt_tokens
+    fix = f"lower {budget} to at most {room} or shorten {prompt}" if room > 0 else f"shorten {prompt}"
+    raise ValueError(f"this model's maximum context length is {context} tokens, but {prompt} has {prompt_tokens} "
+                     f"tokens and {budget} asks for {max_new_tokens} more: {fix}{also}")
+
+
 def drain(events, streamer=None):
     """Run a generation to its end, handing each event's text to `streamer`; returns its output."""
     for event in events:
@@ -148,4 +167,4 @@ def drain(events, streamer=None):
 
 
 __all__ = ["GenerationEvent", "RowOutput", "GenerationStats", "GenerationOutput", "encode_prompts", "check_prompts",
-           "drain"]
+           "check_fits_context", "drain"]

@@ -133,7 +133,12 @@ def resolve_device(device: str) -> torch.device:
     except RuntimeError:
         raise ModelLoadError(f"unknown device {device!r}: use cpu or cuda (cuda:N for a specific GPU)") from None
     if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device cuda was asked for but no CUDA GPU is available here; use --device cpu")
+        raise ModelLoadError(f"device {device} was asked for but no CUDA GPU is available here; use --device cpu")
+    if torch_device.type == "cuda" and (torch_device.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()  # checked here: moving the weights would fail only once they are read
+        names = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise ModelLoadError(f"device {device} was asked for but this machine has {count} CUDA GPU"
+                             f"{'s' if count > 1 else ''} ({names}); use one of them")
     if torch_device.type not in ("cpu", "cuda"):
         raise ModelLoadError(f"unsupported device {device!r}: use cpu or cuda")
     return torch_device

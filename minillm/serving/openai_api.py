@@ -38,6 +38,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..decoding.logprobs import TokenLogprobs
+from ..decoding.outputs import check_fits_context
 from ..decoding.sampling import SamplingConfig
 from ..decoding.settings import SamplingError
 
@@ -205,10 +206,10 @@ def max_new_tokens(body: SamplingParameters, prompt_tokens: int, max_model_len: 
         return max_model_len - prompt_tokens
     if requested < 0:
         raise APIError(400, f"max_tokens={requested} is invalid: must be >= 0", param="max_tokens")
-    if prompt_tokens + requested > max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but {prompt_tokens} "
-                            f"prompt tokens + max_tokens={requested} were requested: lower max_tokens or shorten the "
-                            f"prompt", param="max_tokens", code="context_length_exceeded")
+    try:
+        check_fits_context(prompt_tokens, requested, max_model_len, budget="max_tokens")
+    except ValueError as e:
+        raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
     return requested
 
 
