@@ -6,28 +6,52 @@ OpenAI-compatible server named by an environment variable (skipped when unset):
     MINILLM_CONFORMANCE_URL=http://127.0.0.1:8080/v1 pytest tests/test_13_conformance.py
     MINILLM_CONFORMANCE_MODEL=...   # the model to ask for (default: the first one /v1/models lists)
 
-so a learner can point them at vLLM or llama.cpp's server. Greedy requests
-(temperature 0) are the reference for each other: streamed text must equal the
-non-streamed text, and a stop string must cut exactly where the text had it.
+so a learner can point them at vLLM or llama.cpp's server. They also run against
+llama.cpp's server on the default model's own GGUF (llama-cpp-python's
+`python -m llama_cpp.server`, started here; slow; skipped with the reason when it does
+not import), where the places it departs from OpenAI's API are listed and expected to
+fail (`LLAMA_CPP_GAPS`: strict, so a fix upstream shows). Greedy requests (temperature
+0) are the reference for each other: streamed text must equal the non-streamed text,
+and a stop string must cut exactly where the text had it. Lesson 13's load test runs
+against each at a small load.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
 
 import httpx
 import pytest
+import torch
 from openai import OpenAI
 
 from minillm.model.tiny import tiny_pair
 from minillm.serving.launch import BackgroundServer
+from minillm.serving.loadtest import chat_workload, run_load, summarize
 
 QUESTION = [{"role": "user", "content": "Name three colours and say why you like them."}]
+# Where llama-cpp-python's server (0.3.36) departs from OpenAI's API, as these checks found it
+LLAMA_CPP_GAPS = {
+    "test_streamed_chat_equals_the_whole_answer": "ignores stream_options.include_usage: a stream has no usage chunk",
+    "test_a_malformed_request_is_a_4xx_json_error": "answers a malformed body (messages not a list) with a 500",
+}
 
 
-@pytest.fixture(scope="module", params=["minillm", "external"])
+@pytest.fixture(scope="module", params=["minillm", "external", pytest.param("llama.cpp", marks=pytest.mark.slow)])
 def target(request):
     """(client, model name, base URL) of the server under test."""
+    if request.param == "llama.cpp":
+        from minillm.bench.llama_cpp import server_missing_reason, server_process
+        from minillm.speed.quant_gguf import gguf_path_for
+
+        reason = server_missing_reason()
+        if reason is not None:
+            pytest.skip(f"llama.cpp's server: {reason}")
+        with server_process(gguf_path_for("default"), torch.get_num_threads()) as server:
+            yield OpenAI(base_url=server.base_url, api_key="unused", max_retries=0), "default", server.base_url
+        return
     if request.param == "external":
         url = os.environ.get("MINILLM_CONFORMANCE_URL")
         if not url:
@@ -40,6 +64,15 @@ def target(request):
     _, model = tiny_pair("llama", seed=4, vocab_size=49152, context_length=256)  # real tokenizer, tiny random weights
     with BackgroundServer(model, tokenizer, model_name="tiny", num_blocks=64, block_size=8) as server:
         yield OpenAI(base_url=server.base_url, api_key="unused", max_retries=0), "tiny", server.base_url
+
+
+@pytest.fixture(autouse=True)
+def known_gaps(request):
+    """A check llama-cpp-python's server is known to fail is expected to fail there (strict: a fix shows)."""
+    callspec = getattr(request.node, "callspec", None)
+    gap = LLAMA_CPP_GAPS.get(request.node.originalname)
+    if gap and callspec is not None and callspec.params.get("target") == "llama.cpp":
+        request.node.add_marker(pytest.mark.xfail(reason=f"llama-cpp-python's server {gap}", strict=True))
 
 
 def test_models_lists_the_model(target):
@@ -101,3 +134,13 @@ def test_a_malformed_request_is_a_4xx_json_error(target):
     response = httpx.post(url + "/chat/completions", json={"model": model, "messages": "not a list"})
     assert 400 <= response.status_code < 500
     assert isinstance(response.json(), dict)
+
+
+def test_the_load_test_measures_the_server(target):
+    """Lesson 13's load test at a small load: every request streams exactly the tokens it asked for (EOS ignored
+    through `ignore_eos` or `min_tokens`), none fails, and each is timed."""
+    _, model, url = target
+    workload = chat_workload(4, math.inf, seed=0, outputs=((8, 8), (8, 8), 0.0))
+    metrics = summarize(asyncio.run(run_load(url, model, workload, concurrency=2)), slo_ttft=2.0, slo_tpot=0.25)
+    assert metrics["failed"] == 0 and metrics["output_tokens"] == 4 * 8, metrics
+    assert metrics["ttft"]["p50"] > 0 and metrics["tpot"]["p50"] > 0 and metrics["tokens_per_second"] > 0

@@ -79,6 +79,7 @@ EXAMPLES = """examples:
 # Options that only some commands use, and those commands: giving one elsewhere is an error, not a no-op.
 OPTION_COMMANDS = {**{name: set(SUITES) for name in ("model", "device", "quick", "repeats")},
                    "ks": {"speculative"}, "drafts": {"speculative"}, "against": {"regression"},
+                   "threads": {"serve-vs-llamacpp"},
                    "readme": {"report"}, "check": {"report"}, "plots": {"report"}}
 
 
@@ -106,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                              help="draft models, comma-separated: dtype:bfloat16 (the target in BF16), "
                                   "layers:N (its first N blocks) (default: dtype:bfloat16,layers:24; "
                                   "with --quick: dtype:bfloat16)")
+    servers = p.add_argument_group("serve-vs-llamacpp only")
+    servers.add_argument("--threads", type=int, default=None, metavar="N",
+                         help="threads each server computes with (minillm through OMP_NUM_THREADS, llama.cpp through "
+                              "--n_threads; default: torch's count here). On a machine other work keeps busy, "
+                              "llama.cpp's spinning thread pool slows down many times over once its threads outnumber "
+                              "the free cores: fewer threads keep the comparison about the engines")
     regression = p.add_argument_group("regression only")
     regression.add_argument("--against", metavar="REV", default=None,
                             help="the commit to compare this checkout with (a hash, tag or branch); both run "

@@ -25,6 +25,7 @@ SUITES = {
     "lookahead": "minillm.bench.lookahead",
     "serving": "minillm.bench.serving",
     "server": "minillm.bench.server",
+    "serve-vs-llamacpp": "minillm.bench.serve_vs_llamacpp",
     "attention": "minillm.bench.attention",
     "compile": "minillm.bench.compile",
     "quant": "minillm.bench.quant",

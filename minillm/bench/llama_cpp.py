@@ -11,17 +11,23 @@ dequantized (F32) or requantized (Q8_0) by the `gguf` package: the weights minil
 runs in FP32 are exactly the F32 copy's. Copies are made once and kept in the cache,
 written under a temporary name and renamed, so an interrupted conversion leaves
 nothing half-written behind.
+
+Its OpenAI-compatible server (`server_process`, llama-cpp-python's `llama_cpp.server`)
+is the other engine the serving suite `serve-vs-llamacpp` loads like minillm's.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ..base.files import minillm_home, remove, temporary_path
+from .server import ServerProcess, free_port
 
 FILE_TYPES = {"F32": 0, "Q8_0": 7}  # general.file_type: llama.cpp's LLAMA_FTYPE_ALL_F32, _MOSTLY_Q8_0
 
@@ -31,6 +37,39 @@ def missing_reason() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return "not installed (pip install llama-cpp-python builds it; the suite then includes it)"
     return None
+
+
+def server_missing_reason() -> str | None:
+    """None when llama-cpp-python's OpenAI-compatible server imports; otherwise why not and what to install.
+
+    Its server needs the packages of the `[server]` extra, which `pip install
+    'llama-cpp-python[server]'` would fetch only by building llama.cpp again: installing
+    them alone (sse-starlette, starlette-context, pydantic-settings) is enough.
+    """
+    reason = missing_reason()
+    if reason is not None:
+        return reason
+    try:
+        importlib.import_module("llama_cpp.server.app")
+    except ImportError as error:
+        return (f"llama-cpp-python is installed but its server does not import ({error}): pip install "
+                f"sse-starlette starlette-context pydantic-settings, the packages its [server] extra lists")
+    return None
+
+
+def server_process(gguf: Path, threads: int, context: int = 2048) -> ServerProcess:
+    """llama-cpp-python's OpenAI-compatible server on `gguf`, as a `ServerProcess` answering to the model name
+    'default' (as minillm's does).
+
+    Its defaults would skew a comparison: it would use half the cores, and with
+    `interrupt_requests` on, a request arriving while another streams cuts that stream
+    short. Off, requests wait their turn: this server runs one at a time.
+    """
+    port = free_port()
+    return ServerProcess([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "default",
+                          "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(context),
+                          "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                          "--interrupt_requests", "False"], port)
 
 
 def gguf_as(source: Path, tensor_type: str) -> Path:
@@ -103,4 +142,4 @@ class LlamaCpp:
         return time.perf_counter() - start
 
 
-__all__ = ["LlamaCpp", "gguf_as", "missing_reason"]
+__all__ = ["LlamaCpp", "gguf_as", "missing_reason", "server_missing_reason", "server_process"]

@@ -43,6 +43,7 @@ from .sections_systems import (
     cli_section,
     compile_section,
     quant_section,
+    serve_vs_llamacpp_section,
     server_section,
     serving_section,
 )
@@ -62,6 +63,7 @@ SECTIONS = {  # suite: (title, the function writing its Markdown)
     "lookahead": ("Lookahead decoding", lookahead_section),
     "serving": ("Serving a stream of requests", serving_section),
     "server": ("The HTTP server under load", server_section),
+    "serve-vs-llamacpp": ("minillm's server and llama.cpp's under the same load", serve_vs_llamacpp_section),
     "attention": ("Attention kernels", attention_section),
     "compile": ("Compiled and exported graphs", compile_section),
     "quant": ("Quantized weights", quant_section),

@@ -1,4 +1,4 @@
-"""The README sections of the serving and speed suites (lessons 12-16): serving, server, attention, compile, quant.
+"""The README sections of the serving and speed suites (lessons 12-16): serving, servers, attention, compile, quant.
 
 These suites compare ways of running the same model (continuous against static batching,
 kernels, compiled and exported graphs, quantized weights), so their sections lead with the
@@ -241,4 +241,61 @@ def cli_section(title: str, data: dict, links: dict) -> str:
                       f"\"{data['prompt'][:40]}...\" (raw text, greedy), {data['new_tokens']} new tokens at most; "
                       f"medians of {data['repeats']} rounds after a warm-up, contenders alternating. Decode tok/s is "
                       "each process's own report (after its first token); the times are wall clock from the start.",
+                      data, header, body, notes)
+
+
+SAME_WEIGHTS = {"minillm float32": "llama.cpp F32", "minillm GGUF Q4_1": "llama.cpp Q4_1"}  # serve-vs-llamacpp
+
+
+def serve_vs_llamacpp_section(title: str, data: dict, links: dict) -> str:
+    rows = data["contenders"]
+    loads = list(next(iter(rows.values())))
+    single, crowd = loads[0], loads[-1]
+
+    def ms(seconds) -> str:
+        return "—" if seconds is None else md.milliseconds(1000 * seconds)
+
+    header = ["server", *(f"{label}: tok/s, TTFT p50 ms, TPOT p50 ms" for label in loads),
+              f"{crowd} / {single}", "vs llama.cpp on the same weights"]
+    body = []
+    for name, row in rows.items():
+        theirs = rows.get(SAME_WEIGHTS.get(name))
+        against = (" / ".join(md.times(row[label]["tokens_per_second"] / theirs[label]["tokens_per_second"])
+                              for label in loads) if theirs else "—")
+        body.append([name, *(f"{row[label]['tokens_per_second']:.1f}, {ms(row[label]['ttft_p50'])}, "
+                             f"{ms(row[label]['tpot_p50'])}" for label in loads),
+                     md.times(row[crowd]["tokens_per_second"] / row[single]["tokens_per_second"]), against])
+    notes = []
+    if "llama.cpp Q4_1" in rows:
+        llama = rows["llama.cpp Q4_1"]
+        notes.append(md.bullet(
+            f"llama-cpp-python's server runs one request at a time (the next waits for the running one; "
+            f"`--interrupt_requests False`, else it would cut the running stream short), so {crowd} give llama.cpp "
+            f"Q4_1 {md.times(llama[crowd]['tokens_per_second'] / llama[single]['tokens_per_second'])} its "
+            f"one-client throughput and each waits its turn ({ms(llama[crowd]['ttft_p50'])} ms to the first token); "
+            f"minillm's engine batches them (lesson 12)."))
+    failed = {name: sum(row[label]["failed"] for label in loads) for name, row in rows.items()}
+    wanted = {label: data["requests"][label] * data["tokens_per_request"] for label in loads}
+    short = [name for name, row in rows.items() if any(n != wanted[label] for label in loads
+                                                        for n in row[label]["output_tokens"])]
+    exact = (f"every server generated exactly {data['tokens_per_request']} tokens per request (EOS ignored through "
+             "`ignore_eos` and `min_tokens`)" if not short else f"fewer tokens than asked for from {', '.join(short)}")
+    notes.append(md.bullet(f"Failed requests: {', '.join(f'{name} {n}' for name, n in failed.items())}; {exact}."))
+    cores, before = data["machine"]["cores"], data["load_average"]["before"]
+    busy = ("busy: other work shared the cores, so read the ratios, which every contender met alike; absolute figures "
+            "run higher on an idle machine" if before >= 1 else "otherwise idle")
+    notes.append(md.bullet(f"Machine: load average {before:.1f} on {cores} cores as the run began "
+                           f"({data['load_average']['after']:.1f} as it ended), {busy}."))
+    if data["llama_cpp"] is not None:
+        notes.append(md.bullet(f"llama.cpp: {data['llama_cpp']}."))
+    return md.section(title, links,
+                      f"{model_label(data['model'])}, every server its own process on the same GGUF (minillm float32 "
+                      "serves its weights dequantized, `--quant gguf` its Q4_1 blocks; llama.cpp F32 the "
+                      "full-precision copy, Q4_1 the file itself; llama.cpp's server is llama-cpp-python's "
+                      f"`python -m llama_cpp.server`), each computing with {data['threads']} "
+                      f"thread{'s' if data['threads'] > 1 else ''}, driven by lesson 13's load test: "
+                      f"streaming chat requests behind one system prompt, {data['tokens_per_request']} tokens each, "
+                      f"{data['requests'][single]} sent one after another, then {data['requests'][crowd]} by "
+                      f"{data['clients']} clients at once; the loads alternate between the servers, round by round. "
+                      "TTFT: time to first token; TPOT: time per output token after the first.",
                       data, header, body, notes)

@@ -28,6 +28,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -54,28 +55,37 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m minillm.serve` in a child process, ready once /health answers."""
+    """An OpenAI-compatible server in a child process (`python -m minillm.serve`, or another engine's), ready once
+    `GET /v1/models` answers, which every such server has. Its log goes to a file, read when it fails to start: a
+    pipe nobody reads would fill and stall a server that logs every request."""
 
-    def __init__(self, model: str, device: str, max_num_seqs: int):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.command = [sys.executable, "-m", "minillm.serve", "--model", model, "--device", device,
-                        "--port", str(self.port), "--max-num-seqs", str(max_num_seqs)]
+    def __init__(self, command: list[str], port: int, env: dict | None = None):
+        """env: variables set for the child on top of this process's own."""
+        self.command, self.port, self.env = command, port, env or {}
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+
+    @classmethod
+    def minillm(cls, model: str, device: str, max_num_seqs: int, *flags: str, env: dict | None = None):
+        port = free_port()
+        return cls([sys.executable, "-m", "minillm.serve", "--model", model, "--device", device, "--port", str(port),
+                    "--max-num-seqs", str(max_num_seqs), *flags], port, env)
 
     def __enter__(self) -> "ServerProcess":
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.process = subprocess.Popen(self.command, env=env, stderr=subprocess.PIPE, text=True)
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **self.env)
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(self.command, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited while starting: {self.process.stderr.read().strip()}")
+                self.log.seek(0)
+                raise RuntimeError(f"{' '.join(self.command[1:3])} exited while starting: {self.log.read()[-2000:]}")
             try:
-                if httpx.get(self.base_url.removesuffix("/v1") + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.base_url + "/models", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 time.sleep(0.5)
-        self.process.kill()
-        raise RuntimeError("the server did not answer /health within 300 s")
+        self.__exit__()
+        raise RuntimeError(f"{' '.join(self.command[1:3])} did not answer /v1/models within 300 s")
 
     def stats(self) -> dict:
         return httpx.get(self.base_url.removesuffix("/v1") + "/stats", timeout=10).json()
@@ -86,6 +96,8 @@ class ServerProcess:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
+        self.log.close()
 
 
 def load(server: ServerProcess, workload, concurrency=None, desc: str = "") -> dict:
@@ -157,7 +169,7 @@ def run(args) -> dict:
     per_rate = 8 if quick else 24
     soak_seconds, soak_clients = (15, 8) if quick else (120, 12)
     fixed = ((tokens, tokens), (tokens, tokens), 0.0)
-    with ServerProcess(args.model, args.device, max_num_seqs=clients) as server:
+    with ServerProcess.minillm(args.model, args.device, clients) as server:
         load(server, chat_workload(4, math.inf, seed=99, outputs=((8, 8), (8, 8), 0.0)), desc="warm-up")
         single = load(server, chat_workload(single_requests, math.inf, seed=1, outputs=fixed), concurrency=1,
                       desc="1 client")

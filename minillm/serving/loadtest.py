@@ -13,8 +13,10 @@ are the metrics of vLLM's serving benchmark, so the figures compare across engin
 Arrivals follow a gamma process with mean gap 1 / rate (burstiness 1 is Poisson), or
 all at once; `concurrency` caps the requests in flight (a fixed pool of clients, each
 sending its next request when the last one ends). Output lengths are exact: the
-requests ask the server to ignore EOS (`ignore_eos`, an extra vLLM and minillm accept),
-so every engine does the same work.
+requests ask the server to ignore EOS in both the ways servers accept (`ignore_eos`:
+vLLM, minillm; `min_tokens` equal to `max_tokens`: llama-cpp-python, vLLM), so every
+engine does the same work. A server that sends no usage chunk (llama-cpp-python's
+ignores `stream_options`) is credited `max_tokens` for a request it ended for length.
 """
 
 from __future__ import annotations
@@ -98,8 +100,10 @@ class Outcome:
 async def stream_chat(http: httpx.AsyncClient, model: str, request: ChatRequest, extra: dict | None = None) -> Outcome:
     """Send one streaming chat request and time its chunks."""
     body = {"model": model, "messages": request.messages, "max_tokens": request.max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, **(extra or {})}
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "min_tokens": request.max_tokens, **(extra or {})}
     outcome = Outcome(sent=time.perf_counter())
+    finish_reasons = set()
     try:
         async with http.stream("POST", "/chat/completions", json=body) as response:
             outcome.status = response.status_code
@@ -119,8 +123,11 @@ async def stream_chat(http: httpx.AsyncClient, model: str, request: ChatRequest,
                     outcome.output_tokens = chunk["usage"]["completion_tokens"]
                 elif any(c.get("delta", {}).get("content") for c in chunk.get("choices", ())):
                     outcome.chunk_times.append(time.perf_counter())
+                finish_reasons.update(c["finish_reason"] for c in chunk.get("choices") or () if c.get("finish_reason"))
     except httpx.HTTPError as e:
         outcome.error = f"{type(e).__name__}: {e}"
+    if not outcome.output_tokens and finish_reasons == {"length"}:  # no usage chunk: ended at max_tokens exactly
+        outcome.output_tokens = request.max_tokens
     return outcome
 
 
