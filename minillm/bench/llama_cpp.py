@@ -30,6 +30,8 @@ from ..base.files import minillm_home, remove, temporary_path
 from .server import ServerProcess, free_port
 
 FILE_TYPES = {"F32": 0, "Q8_0": 7}  # general.file_type: llama.cpp's LLAMA_FTYPE_ALL_F32, _MOSTLY_Q8_0
+# What llama-cpp-python's [server] extra adds, at versions that run beside requirements.txt's fastapi and uvicorn
+SERVER_EXTRAS = "sse-starlette==3.7.0 starlette-context==0.3.6 pydantic-settings==2.16.3"
 
 
 def missing_reason() -> str | None:
@@ -44,7 +46,7 @@ def server_missing_reason() -> str | None:
 
     Its server needs the packages of the `[server]` extra, which `pip install
     'llama-cpp-python[server]'` would fetch only by building llama.cpp again: installing
-    them alone (sse-starlette, starlette-context, pydantic-settings) is enough.
+    them alone (`SERVER_EXTRAS`) is enough.
     """
     reason = missing_reason()
     if reason is not None:
@@ -53,7 +55,7 @@ def server_missing_reason() -> str | None:
         importlib.import_module("llama_cpp.server.app")
     except ImportError as error:
         return (f"llama-cpp-python is installed but its server does not import ({error}): pip install "
-                f"sse-starlette starlette-context pydantic-settings, the packages its [server] extra lists")
+                f"{SERVER_EXTRAS}, the packages its [server] extra lists")
     return None
 
 
