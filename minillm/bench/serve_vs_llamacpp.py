@@ -134,5 +134,6 @@ def plot(data: dict, path) -> None:
         ax.grid(axis="y", alpha=0.3)
     ax_rate.legend(fontsize=8)
     fig.suptitle(plot_title("minillm's server and llama.cpp's under the same load", data, "float32 and Q4_1") +
-                 f"\nstreaming chat requests over loopback, {data['tokens_per_request']} tokens each", fontsize=10)
+                 f"\nstreaming chat requests over loopback, {data['tokens_per_request']} tokens each; "
+                 f"{data['threads']} thread{'s' if data['threads'] > 1 else ''} per server", fontsize=10)
     finish_figure(fig, path)
