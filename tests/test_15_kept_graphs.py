@@ -191,3 +191,10 @@ def test_speculative_rounds_verify_through_a_kept_graph_with_the_eager_tokens(ke
     assert compile_model(model, kept=True).eager_calls == 1  # the prompt: every round ran a graph
     names = sorted(p.name.rsplit("-", 1)[0] for p in (kept_home / "graphs").iterdir())
     assert "decode-b1-t1-s256" in names and "verify-b1-t5-s256" in names
+
+
+def test_the_files_left_out_of_the_source_digest_exist_and_hold_no_forward():
+    root = REPO / "minillm"
+    for name in graph_store.TEXT_ONLY:  # a renamed file would silently re-enter every key
+        text = (root / name).read_text()
+        assert "torch.nn" not in text and "import torch\n" not in text, name

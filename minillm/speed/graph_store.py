@@ -53,6 +53,8 @@ KEY_FILE = "key.json"
 # The source folders of everything a step's forward runs (the model, its cache, the speed swaps):
 # an edit to any of them changes the generated code, so it changes every key.
 SOURCE_FOLDERS = ("model", "cache", "speed")
+# ...but for the files that turn text into ids and back: nothing of theirs is in a graph.
+TEXT_ONLY = ("model/bpe.py", "model/chatml.py", "model/tokenizer.py")
 
 
 @dataclass(frozen=True)
@@ -213,10 +215,12 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 @functools.cache
 def source_digest() -> str:
-    """sha256 of the package source the traced forward comes from (`SOURCE_FOLDERS`), once per process."""
+    """sha256 of the package source the traced forward comes from (`SOURCE_FOLDERS` but `TEXT_ONLY`), once
+    per process."""
     root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for path in sorted(p for folder in SOURCE_FOLDERS for p in (root / folder).rglob("*.py")):
+    for path in sorted(p for folder in SOURCE_FOLDERS for p in (root / folder).rglob("*.py")
+                       if p.relative_to(root).as_posix() not in TEXT_ONLY):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
