@@ -64,6 +64,7 @@ class ModelRunner:
             shapes.append(StepShape.verify(model.config, max_batch, verify_tokens, max_len))
         if graph == "auto":  # the compiled graphs when they are already built for this run, else eager
             built = (cache == "static" and isinstance(model, torch.nn.Module)
+                     and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
                      and all(map(compile_model(model, kept=True).is_built, shapes)))
             graph = "compiled" if built else "eager"
         if graph == "compiled" and cache != "static":
