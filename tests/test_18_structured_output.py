@@ -1,0 +1,347 @@
+"""Lesson 18: structured output. The automaton, the token mask and constrained decoding, against brute force.
+
+References that share no code with the package:
+- Python's `re.fullmatch` (re.ASCII) decides which strings a regex accepts, and the `regex`
+  module's partial matching (`fullmatch(..., partial=True)`) which strings are a prefix of an
+  accepted one: the "viable prefix" oracle a token mask must agree with;
+- `json.loads` and `jsonschema` decide which outputs are JSON matching their schema;
+- a brute-force decoder takes the full forward's logits at every step and picks the best token
+  whose text keeps the oracle's viable prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import regex
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minillm.decoding.automaton import PatternError, compile_dfa, parse_regex, regex_dfa, utf8_sequences
+from minillm.decoding.json_schema import UnsupportedSchema, schema_node
+from minillm.decoding.structured import Constraint, TokenIndex, Vocabulary, token_index
+from minillm.model.tiny import tiny_pair
+
+# ------------------------------------------------------------------ a small byte-level vocabulary for the tiny models
+
+EOS = 0
+PIECES = ["<eos>", "{", "}", "[", "]", '"', ":", ",", " ", '{"', '":', '",', '"}', ', "', ": ", '": "', "true",
+          "false", "null", "tru", "e", "nu", "ll", *"0123456789", "-", ".", "12", "a", "b", "c", "x", "y", "z",
+          "name", "age", "id", "tags", "ok", "yes", "no", "!", "é", b"\xc3", b"\xa9", "日", b"\xe6\x97", b"\xa5",
+          "\\", "\\n", "n", "u", "E", "+", "\n", "  ", "ab", "na", "me", '"a', "x}", "]}", "}}", "[]", "{}", '""',
+          "Al", "ice", " Bob", "o", "t", "s", "i", "d", "g", "  \n", "_", "@", "A", "Z", "'", "/", "1.", "-1", "r", "l",
+          "m", "k"]
+assert len(PIECES) == 96, len(PIECES)
+
+
+class ByteTokenizer:
+    """Byte strings as tokens; token 0 is EOS (special: it stands for no text). decode joins the bytes, as
+    byte-level BPE does.
+
+    SMALL: 96 pieces: JSON punctuation, words, digits, a two-byte and a three-byte character split in
+    halves (brute force over it is cheap). FULL adds every single byte SMALL lacks, as byte-level BPE
+    has them: any schema can be spelled.
+    """
+
+    eos_token_id = EOS
+    special_token_ids = (EOS,)
+    chat_template = None
+
+    def __init__(self, pieces):
+        self.pieces = [p if isinstance(p, bytes) else p.encode() for p in pieces]
+        self.vocab_size = len(self.pieces)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"" if token_id == EOS else self.pieces[token_id]
+
+    def decode(self, ids) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def encode(self, text: str) -> list[int]:  # greedy longest match; enough for prompts in tests
+        data, ids = text.encode(), []
+        while data:
+            best = max((i for i in range(1, self.vocab_size) if data.startswith(self.pieces[i])),
+                       key=lambda i: len(self.pieces[i]))
+            ids.append(best)
+            data = data[len(self.pieces[best]):]
+        return ids
+
+
+SMALL = ByteTokenizer(PIECES)
+FULL = ByteTokenizer([*PIECES, *(bytes([b]) for b in range(256) if bytes([b]) not in SMALL.pieces)])
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, tokenizer=SMALL):
+    return tiny_pair(kind, seed=seed, context_length=256, vocab_size=tokenizer.vocab_size)[1]
+
+
+# ------------------------------------------------------------------ the oracle: prefixes of accepted strings
+
+
+def viable(pattern: str, data: bytes) -> bool:
+    """Whether `data` is a prefix of the UTF-8 of some string `pattern` fully matches (brute force).
+
+    Whole characters go to `regex`'s partial matching; a trailing incomplete character is completed
+    with every character its bytes could begin (two- and three-byte leads only).
+    """
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            head = data[:cut].decode()
+        except UnicodeDecodeError:
+            continue
+        tail = data[cut:]
+        if not tail:
+            return regex.fullmatch(pattern, head, flags=regex.ASCII, partial=True) is not None
+        lead = tail[0]
+        if lead >> 5 == 0b110:
+            candidates = range(0x80, 0x800)
+        elif lead >> 4 == 0b1110:
+            candidates = (cp for cp in range(0x800, 0x10000) if not 0xD800 <= cp <= 0xDFFF)
+        else:
+            return False
+        completions = [chr(cp) for cp in candidates if chr(cp).encode().startswith(tail)]
+        return any(regex.fullmatch(pattern, head + c, flags=regex.ASCII, partial=True) for c in completions)
+    return False
+
+
+PATTERNS = [
+    r"(yes|no)!{1,3}",
+    r"[a-c]+\d{0,2}",
+    r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",
+    r'"[^"\\]*"',
+    r"(true|false|null)",
+    r"\w+@\w+\.(com|org)",
+    r"[é日]+x?",
+    r"(ab|a)*b",
+    r"x{2,}y?|[0-9]{3}",
+    r"[^a-z\n]{1,4}",
+]
+
+
+# ------------------------------------------------------------------ UTF-8 and the regex automaton
+
+
+@given(st.integers(0, 0x10FFFF), st.integers(0, 0x10FFFF), st.integers(0, 0x10FFFF))
+def test_utf8_sequences_match_exactly_the_code_points_of_the_range(a, b, cp):
+    lo, hi = min(a, b), max(a, b)
+    if 0xD800 <= cp <= 0xDFFF:
+        return
+    data = chr(cp).encode()
+    matches = [s for s in utf8_sequences(lo, hi)
+               if len(s) == len(data) and all(x <= byte <= y for byte, (x, y) in zip(data, s))]
+    assert len(matches) == (1 if lo <= cp <= hi else 0)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@given(data=st.data())
+def test_the_dfa_accepts_what_re_fullmatch_accepts(pattern, data):
+    dfa = regex_dfa(pattern)
+    matching = data.draw(st.from_regex(re.compile(pattern, re.ASCII), fullmatch=True))
+    assert dfa.accepts(matching.encode()), matching
+    other = data.draw(st.text(alphabet="abcxyz0129.-!\"\\é日 yesno@", max_size=8))
+    assert dfa.accepts(other.encode()) == bool(re.fullmatch(pattern, other, re.ASCII)), other
+    # every prefix of a matching string is a state; the walk agrees with the partial-match oracle
+    cut = data.draw(st.integers(0, len(matching.encode())))
+    state = dfa.walk(dfa.start, matching.encode()[:cut])
+    assert state >= 0
+    mutated = other.encode()[:cut]
+    assert (dfa.walk(dfa.start, mutated) >= 0) == viable(pattern, mutated), mutated
+
+
+@pytest.mark.parametrize("pattern", [r"a(?=b)", r"(a)\1", r"\bword", r"a{3,2}", r"(ab", r"a++"])
+def test_what_is_not_supported_is_refused_by_name(pattern):
+    with pytest.raises(PatternError, match="regex"):
+        parse_regex(pattern)
+
+
+# ------------------------------------------------------------------ the token mask against brute force
+
+
+def random_states(dfa, n: int, seed: int) -> list[bytes]:
+    """Byte prefixes that reach a state by random walks (half characters included, but no four-byte ones: the
+    oracle completes at most 4096 characters), and the empty one."""
+    rng = random.Random(seed)
+    prefixes = [b""]
+    for _ in range(n):
+        data, state = b"", dfa.start
+        for _ in range(rng.randint(0, 12)):  # a random walk through the automaton's live moves
+            moves = [b for b in range(0xF0) if dfa.transitions[state, b] >= 0]
+            if not moves:
+                break
+            byte = rng.choice(moves)
+            data, state = data + bytes([byte]), int(dfa.transitions[state, byte])
+        prefixes.append(data)
+    return prefixes
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_mask_equals_brute_force_on_random_states(pattern):
+    dfa = regex_dfa(pattern)
+    index = TokenIndex(dfa, Vocabulary.of(SMALL, len(PIECES)))
+    for prefix in random_states(dfa, 12, seed=len(pattern)):
+        state = dfa.walk(dfa.start, prefix)
+        assert state >= 0 and viable(pattern, prefix), prefix
+        mask = torch.from_numpy(index.byte_next_states(state) >= 0)  # bytes alone: whether tokens can finish
+        # the text is test_the_mask_follows_tokens_that_can_finish_the_text's question
+        mask[EOS] = bool(dfa.accepting[state])
+        for token in range(1, len(PIECES)):
+            expected = viable(pattern, prefix + SMALL.token_bytes(token))
+            assert bool(mask[token]) == expected, (pattern, prefix, SMALL.token_bytes(token))
+        whole = prefix.decode(errors="ignore").encode() == prefix and re.fullmatch(pattern, prefix.decode(), re.ASCII)
+        assert bool(mask[EOS]) == bool(whole) == bool(dfa.accepting[state])
+
+
+def finishable(pattern: str, prefix: bytes, vocabulary: list[bytes], depth: int) -> bool:
+    """Brute force: some sequence of at most `depth` tokens turns `prefix` into a full match."""
+    frontier = {prefix}
+    for _ in range(depth + 1):
+        if any(text.decode(errors="replace").encode() == text and re.fullmatch(pattern, text.decode(), re.ASCII)
+               for text in frontier):
+            return True
+        frontier = {text + token for text in frontier for token in vocabulary if viable(pattern, text + token)}
+    return False
+
+
+@pytest.mark.parametrize("pattern,vocabulary", [
+    ("(ab|cd)e?", [b"a", b"cd", b"e", b"de"]),  # "a" can never be finished: no "b"
+    ("[é日]x", [b"\xc3", b"\xa9x", "日".encode(), b"\xe6\x97", b"x"]),  # 日's lead byte alone leads nowhere
+    ("a{2,3}|b", [b"aa", b"aaa", b"b"]),
+    ('"[a-z]{1,3}"', [b'"', b'"a', b"bc", b'c"', b"ab"]),
+])
+def test_the_mask_follows_tokens_that_can_finish_the_text(pattern, vocabulary):
+    """A vocabulary missing some bytes: a token is allowed only where tokens can still finish the text."""
+    index = TokenIndex(regex_dfa(pattern), Vocabulary([None, *vocabulary], (0,)))
+    assert index.live is not None  # the vocabulary lacks bytes the automaton needs
+    for prefix in [b"", *(v for v in vocabulary), *(a + b for a in vocabulary for b in vocabulary)]:
+        state = index.dfa.walk(index.dfa.start, prefix)
+        if state < 0 or not finishable(pattern, prefix, vocabulary, 4):
+            continue
+        allowed = index.next_states(state) >= 0
+        for token, data in enumerate(vocabulary, start=1):
+            assert allowed[token] == finishable(pattern, prefix + data, vocabulary, 4), (prefix, data)
+
+
+def test_the_real_vocabulary_mask_equals_walking_each_token():
+    """On a big vocabulary (GPT-2's 50257 tokens, special ones excluded) the vectorised walk equals the walk of
+    each token's bytes, one at a time."""
+    from minillm.model.tokenizer import gpt2_tokenizer
+
+    tok = gpt2_tokenizer()
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}}
+    index = token_index("json_schema", json.dumps(schema), tok, tok.vocab_size)
+    dfa = index.dfa
+    for prefix in [b"", b'{"', b'{"name": "caf\xc3', b'{"name":"x", "n":', b'{"n": -1']:
+        state = dfa.walk(dfa.start, prefix)
+        assert state >= 0, prefix
+        fast = index.next_states(state)
+        slow = [dfa.walk(state, tok.token_bytes(t)) if t != tok.eos_token_id else -1 for t in range(tok.vocab_size)]
+        assert fast.tolist() == slow, prefix
+    assert not bool(index.mask(dfa.start)[tok.eos_token_id])
+
+
+# ------------------------------------------------------------------ JSON schemas: the language
+
+
+DEV_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"a": {"type": "number"}, "b": {"enum": ["x", 2, None]},
+                                      "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+     "required": ["b"]},
+    {"type": "object", "properties": {"inner": {"type": "object", "properties": {"x": {"type": ["string", "null"]}},
+                                                "required": ["x"]}}, "required": ["inner"]},
+    {"type": "object"},
+    {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 1, "maxItems": 3},
+]
+
+
+def json_instances(schema, rng: random.Random, depth: int = 0):
+    """Random instances of a schema of the supported subset (a brute-force generator, for completeness)."""
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    kind = schema.get("type")
+    kind = rng.choice(kind) if isinstance(kind, list) else kind
+    if kind == "string":
+        return "".join(rng.choice("ab é\"\\\n日") for _ in range(rng.randint(0, schema.get("maxLength", 4))))
+    if kind == "integer":
+        return rng.randint(-1000, 1000)
+    if kind == "number":
+        return rng.choice([0.5, -2.25, 3, 1e5, 12.0])
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "array":
+        n = rng.randint(schema.get("minItems", 0), schema.get("maxItems", 3))
+        return [json_instances(schema.get("items", {"type": "integer"}), rng, depth + 1) for _ in range(n)]
+    if "properties" not in schema:
+        return {"k": [1, {"z": None}], "s": "v"} if depth == 0 else {}
+    return {name: json_instances(sub, rng, depth + 1) for name, sub in schema["properties"].items()
+            if name in schema.get("required", []) or rng.random() < 0.5}
+
+
+@pytest.mark.parametrize("schema", DEV_SCHEMAS, ids=range(len(DEV_SCHEMAS)))
+def test_schema_automaton_accepts_valid_instances_and_only_json_that_validates(schema):
+    dfa = compile_dfa(schema_node(schema))
+    rng = random.Random(0)
+    for _ in range(40):  # completeness: instances in the canonical layouts are accepted
+        instance = json_instances(schema, rng)
+        jsonschema.validate(instance, schema)
+        for separators in ((",", ":"), (", ", ": ")):
+            assert dfa.accepts(json.dumps(instance, separators=separators, ensure_ascii=False).encode()), instance
+    for _ in range(200):  # soundness: random accepted walks are JSON that validates
+        data, state = b"", dfa.start
+        while len(data) < 400:
+            if dfa.accepting[state] and (rng.random() < 0.3 or dfa.is_complete(state)):
+                break
+            moves = [b for b in range(256) if dfa.transitions[state, b] >= 0]
+            byte = rng.choice([b for b in moves if b < 0x80] or moves) if rng.random() < 0.9 else rng.choice(moves)
+            data, state = data + bytes([byte]), int(dfa.transitions[state, byte])
+        if dfa.accepting[state]:
+            jsonschema.validate(json.loads(data.decode()), schema)
+    for bad in ['{"name":"x"}', '{"age":1,"name":"x"}', "[]", '{"a":1,}', "null", '{"b":"x"', '{"b":"y"}']:
+        if dfa.accepts(bad.encode()):
+            jsonschema.validate(json.loads(bad), schema)
+
+
+def test_json_schema_mask_equals_brute_force_against_a_hand_written_regex():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+              "required": ["a"]}
+    # The same language by hand: one optional space around punctuation, b may be left out.
+    pattern = r'\{ ?"a" ?: ?-?(0|[1-9][0-9]*)( ?, ?"b" ?: ?("x"|"y"))? ?\}'
+    index = token_index("json_schema", json.dumps(schema), SMALL, len(PIECES))
+    dfa = index.dfa
+    for prefix in random_states(dfa, 30, seed=1):
+        state = dfa.walk(dfa.start, prefix)
+        assert viable(pattern, prefix)
+        for token in range(1, len(PIECES)):
+            assert bool(index.mask(state)[token]) == viable(pattern, prefix + SMALL.token_bytes(token)), \
+                (prefix, SMALL.token_bytes(token))
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "string", "format": "date-time"}, "format"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
+    ({"oneOf": [{"type": "string"}]}, "oneOf"),
+    ({"type": "object", "properties": {"x": {"$ref": "#"}}}, "$ref"),
+    ({"type": "tuple"}, "type"),
+])
+def test_an_unsupported_schema_names_the_keyword(schema, keyword):
+    with pytest.raises(UnsupportedSchema) as error:
+        schema_node(schema)
+    assert error.value.keyword == keyword and repr(keyword) in str(error.value)
+
+
+def test_constraint_follows_eos_and_refuses_a_token_it_did_not_allow():
+    index = token_index("regex", "ab", SMALL, len(PIECES))
+    constraint = Constraint(index)
+    assert not bool(constraint.mask()[EOS])
+    constraint.advance(PIECES.index("ab"))
+    assert constraint.complete and bool(constraint.mask()[EOS])
+    with pytest.raises(ValueError, match="not allowed"):
+        Constraint(index).advance(PIECES.index("b"))
