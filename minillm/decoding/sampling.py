@@ -4,7 +4,11 @@ Each processor is a small pure function from logits [batch, vocab] to logits of 
 same shape; `process_logits` composes them in transformers' order:
 
     penalties on the raw logits (repetition; presence/frequency)   -- greedy too
+    the structured-output mask (json_schema, regex; lesson 18)       -- greedy too
     then, only when sampling: temperature -> top-k -> top-p -> min-p
+
+The mask comes before the warpers so that top-k, top-p and min-p choose among the tokens the
+constraint allows (filtering first could leave none of them).
 
 Removed tokens get -inf, so softmax gives them probability exactly 0. Everything is
 computed in float32 whatever the model's dtype.
@@ -12,12 +16,14 @@ computed in float32 whatever the model's dtype.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 
 import torch
 
 from .settings import GenerationConfig, SamplingError, check, is_int, is_real
+from .structured import apply_token_mask
 
 
 @dataclass(frozen=True)
@@ -38,9 +44,19 @@ class SamplingConfig(GenerationConfig):
     presence_penalty: float = 0.0  # OpenAI semantics: subtracted once from every generated token's logit
     frequency_penalty: float = 0.0  # OpenAI semantics: subtracted per occurrence among generated tokens
     seed: int | None = None
+    json_schema: str | None = None  # structured output: a JSON schema (JSON text; a dict is accepted) to match
+    regex: str | None = None  # structured output: a regular expression the whole output must match
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.json_schema, (dict, bool)):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        check(self.json_schema is None or is_json_schema(self.json_schema), "json_schema", self.json_schema,
+              "None or a JSON schema (a JSON object, as a dict or JSON text)")
+        check(self.regex is None or (isinstance(self.regex, str) and self.regex != ""), "regex", self.regex,
+              "None or a non-empty regular expression")
+        check(self.json_schema is None or self.regex is None, "regex", self.regex,
+              "None when json_schema is set (one constraint per request)")
         check(isinstance(self.do_sample, bool), "do_sample", self.do_sample, "True or False")
         check(is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
               "a finite number >= 0 (0 means greedy)")
@@ -64,12 +80,26 @@ class SamplingConfig(GenerationConfig):
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """("json_schema", schema text) or ("regex", pattern): what the output must match (None: anything)."""
+        if self.json_schema is not None:
+            return ("json_schema", self.json_schema)
+        return ("regex", self.regex) if self.regex is not None else None
+
     def processing_key(self) -> tuple:
         """The fields the processors read: rows with equal keys are processed as one batch."""
         return tuple(getattr(self, name) for name in PROCESSING_FIELDS)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingConfig))
+def is_json_schema(text) -> bool:
+    try:
+        return isinstance(text, str) and isinstance(json.loads(text), (dict, bool))
+    except ValueError:
+        return False
+
+
 PROCESSING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty")
 
@@ -170,14 +200,19 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(remove, -math.inf)
 
 
-def process_logits(logits: torch.Tensor, config: SamplingConfig, history: TokenHistory | None) -> torch.Tensor:
-    """All processors in transformers' order. logits [B, V] -> float32 [B, V]."""
+def process_logits(logits: torch.Tensor, config: SamplingConfig, history: TokenHistory | None,
+                   allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """All processors in transformers' order. logits [B, V] -> float32 [B, V].
+
+    allowed: bool [B, V], the tokens a structured-output constraint allows each row (None: all).
+    """
     logits = logits.float()
     if history is not None:
         logits = apply_repetition_penalty(logits, history.seen, config.repetition_penalty)
         logits = apply_presence_frequency_penalty(
             logits, history.generated_counts, config.presence_penalty, config.frequency_penalty
         )
+    logits = apply_token_mask(logits, allowed)
     if config.greedy:
         return logits
     logits = apply_temperature(logits, config.temperature)
@@ -250,20 +285,22 @@ def groups_of_equal_settings(configs: list[SamplingConfig]) -> list[list[int]]:
     return list(groups.values())
 
 
-def process_rows(logits: torch.Tensor, configs: list[SamplingConfig], history: TokenHistory | None) -> torch.Tensor:
+def process_rows(logits: torch.Tensor, configs: list[SamplingConfig], history: TokenHistory | None,
+                 allowed: torch.Tensor | None = None) -> torch.Tensor:
     """`process_logits` where row b follows configs[b]: logits [B, V] -> float32 [B, V].
 
     Rows that share settings are processed together; every processor works row by row,
-    so a row's result is the one it gets alone.
+    so a row's result is the one it gets alone. allowed: bool [B, V] or None, as for process_logits.
     """
     groups = groups_of_equal_settings(configs)
     if len(groups) == 1:
-        return process_logits(logits, configs[0], history)
+        return process_logits(logits, configs[0], history, allowed)
     processed = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for rows in groups:
         index = torch.tensor(rows, device=logits.device)
         processed[index] = process_logits(logits[index], configs[rows[0]],
-                                          history.select(index) if history is not None else None)
+                                          history.select(index) if history is not None else None,
+                                          allowed[index.to(allowed.device)] if allowed is not None else None)
     return processed
 
 
@@ -287,7 +324,7 @@ def row_configs(config, n_rows: int, overrides: dict) -> list[SamplingConfig]:
     return [(c or SamplingConfig()).with_(**overrides) if overrides else (c or SamplingConfig()) for c in configs]
 
 
-__all__ = ["row_configs", 
+__all__ = ["row_configs",
     "SamplingConfig", "SamplingError", "TokenHistory", "process_logits", "choose_next", "row_generators",
     "sample_from_probs", "generators_for", "process_rows", "choose_rows", "groups_of_equal_settings",
     "apply_repetition_penalty", "apply_presence_frequency_penalty", "apply_temperature",

@@ -81,6 +81,10 @@ class RowState:
         self.finish_reason = "stop"
         return True
 
+    def end(self, reason: str) -> None:
+        """Finish now for a reason the row's owner knows (structured output: the text is whole)."""
+        self._finish(reason)
+
     def _finish(self, reason: str) -> None:
         if self._decoder is not None:
             self._stable += self._decoder.flush()

@@ -19,6 +19,11 @@ Logprobs (the server's `logprobs`, `echo`): a sequence made with `top_logprobs=k
 `prompt_top_logprobs=k` has the engine record its prompt tokens' in `seq.prompt_logprobs`
 (`score_prompt`). Which distribution, and what it costs: `minillm.decoding.logprobs`.
 Sequences that ask for neither compute nothing more.
+
+Structured output (lesson 18): a sequence whose settings carry `json_schema` or `regex` holds a
+`Constraint` (`minillm.decoding.structured`): `sample_next` masks its row to the tokens that keep
+its text inside the language, `append` walks the chosen token through the automaton, and the
+sequence stops ("stop") as soon as its text is whole and nothing may follow it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ..decoding.logprobs import TokenLogprobs, token_logprobs
 from ..decoding.outputs import GenerationEvent, RowOutput
 from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows
 from ..decoding.stopping import RowState
+from ..decoding.structured import Constraint, constraint_for
 
 _ids = itertools.count()
 
@@ -58,6 +64,7 @@ class Sequence:
     prompt_top_logprobs: int | None = None  # the same for each prompt token after the first (None: none)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, when top_logprobs is set
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1, 2, ... scored so far
+    constraint: Constraint | None = None  # structured output: where its text stands in its automaton
 
     @classmethod
     def create(cls, prompt_ids: list[int], config: SamplingConfig, *, tokenizer=None, vocab_size: int,
@@ -67,7 +74,7 @@ class Sequence:
         (generator,) = generators_for([config], device)
         return cls(list(prompt_ids), config, RowState.for_config(prompt_ids, config, tokenizer), generator,
                    TokenHistory.from_prompts([prompt_ids], vocab_size, device) if keep_history else None,
-                   tokens=list(prompt_ids), **fields)
+                   tokens=list(prompt_ids), constraint=constraint_for(config, tokenizer, vocab_size), **fields)
 
     @property
     def finished(self) -> bool:
@@ -112,7 +119,11 @@ class Sequence:
         self.token_times.append(now)
         if self.history is not None:
             self.history.add(torch.tensor([token], device=self.history.seen.device))
+        if self.constraint is not None:
+            self.constraint.advance(token)
         self.state.push(token)
+        if self.constraint is not None and not self.state.finished and self.constraint.complete:
+            self.state.end("stop")  # the text is whole: nothing but EOS could follow
         if self.state.finished:
             self.finish_time = now
 
@@ -144,6 +155,17 @@ def stacked_history(seqs: list[Sequence]) -> TokenHistory | None:
     return TokenHistory(torch.cat([h.seen for h in rows]), torch.cat([h.generated_counts for h in rows]))
 
 
+def stacked_masks(seqs: list[Sequence], vocab_size: int) -> torch.Tensor | None:
+    """bool [B, V]: the tokens each sequence's constraint allows (all, for a sequence without); None if none has one."""
+    if all(s.constraint is None for s in seqs):
+        return None
+    allowed = torch.ones(len(seqs), vocab_size, dtype=torch.bool)
+    for row, seq in enumerate(seqs):
+        if seq.constraint is not None:
+            allowed[row] = seq.constraint.mask()
+    return allowed
+
+
 def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Next-token logits [B, V] -> one token per sequence, each with its own settings and random stream.
 
@@ -151,7 +173,8 @@ def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     processed logits the token was drawn from (`minillm.decoding.logprobs` says why those).
     """
     configs = [s.config for s in seqs]
-    processed = process_rows(logits, configs, stacked_history(seqs))  # float32 [B, V]
+    allowed = stacked_masks(seqs, logits.shape[-1])
+    processed = process_rows(logits, configs, stacked_history(seqs), allowed)  # float32 [B, V]
     tokens = choose_rows(processed, configs, [s.generator for s in seqs])  # [B]
     asking = [i for i, s in enumerate(seqs) if s.top_logprobs is not None]
     if asking:
@@ -162,4 +185,4 @@ def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     return tokens.tolist()
 
 
-__all__ = ["Sequence", "sample_next", "stacked_history"]
+__all__ = ["Sequence", "sample_next", "stacked_history", "stacked_masks"]
