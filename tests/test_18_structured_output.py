@@ -15,6 +15,7 @@ import json
 import random
 import re
 
+import httpx
 import jsonschema
 import pytest
 import regex
@@ -28,6 +29,7 @@ from minillm.decoding.sampling import SamplingConfig, SamplingError
 from minillm.decoding.structured import Constraint, TokenIndex, Vocabulary, token_index
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.engine import generate_continuous
+from minillm.serving.launch import BackgroundServer
 from minillm.strategies.generate import generate
 
 # ------------------------------------------------------------------ a small byte-level vocabulary for the tiny models
@@ -65,6 +67,9 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
     def encode(self, text: str) -> list[int]:  # greedy longest match; enough for prompts in tests
         data, ids = text.encode(), []
         while data:
@@ -77,6 +82,7 @@ class ByteTokenizer:
 
 SMALL = ByteTokenizer(PIECES)
 FULL = ByteTokenizer([*PIECES, *(bytes([b]) for b in range(256) if bytes([b]) not in SMALL.pieces)])
+FULL.chat_template = "role: content"  # the server asks for one; apply_chat_template above is what runs
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, tokenizer=SMALL):
@@ -477,3 +483,85 @@ def test_real_model_outputs_parse_and_validate(default_model):
                            **options).rows[0]
             assert row.finish_reason in ("eos", "stop"), row.text
             jsonschema.validate(json.loads(row.text), schema)
+
+
+# ------------------------------------------------------------------ the server: response_format
+
+
+def response_format(schema: dict, name: str = "answer") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def test_server_response_format_json_schema_streaming_and_not():
+    """Through the official client, every reply parses and validates (held-out schemas, greedy and sampled,
+    streamed and whole); a streamed reply equals the whole one for the same seed."""
+    from openai import OpenAI
+
+    model = tiny_model("llama", seed=5, tokenizer=FULL)
+    with BackgroundServer(model, FULL, model_name="tiny", max_num_seqs=4, num_blocks=128, block_size=8) as server:
+        client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        for schema in HELD_OUT_TINY[:4]:
+            settings = dict(model="tiny", messages=[{"role": "user", "content": "ab"}], max_tokens=200,
+                            response_format=response_format(schema))
+            replies = client.chat.completions.create(**settings, n=3, seed=11, temperature=1.0)
+            greedy = client.chat.completions.create(**settings, temperature=0)
+            for choice in [*replies.choices, *greedy.choices]:
+                assert choice.finish_reason == "stop", choice.message.content
+                jsonschema.validate(json.loads(choice.message.content), schema)
+            stream = client.chat.completions.create(**settings, seed=11, temperature=1.0, stream=True)
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+            assert streamed == replies.choices[0].message.content
+        json_mode = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                   max_tokens=120, temperature=0.5, seed=3,
+                                                   response_format={"type": "json_object"})
+        reply = json_mode.choices[0]
+        if reply.finish_reason == "stop":
+            assert isinstance(json.loads(reply.message.content), dict)
+        else:  # a random model may write an endless string: what it wrote is still a prefix of a JSON object
+            dfa = compile_dfa(schema_node({"type": "object"}))
+            assert dfa.walk(dfa.start, reply.message.content.encode()) >= 0
+
+
+@pytest.mark.parametrize("fmt,named", [
+    (response_format({"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}),
+     "'format'"),
+    (response_format({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}), "'minimum'"),
+    (response_format({"type": "object", "patternProperties": {"^a": {}}}), "'patternProperties'"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "name"),
+    ({"type": "xml"}, "'xml'"),
+])
+def test_server_refuses_what_it_cannot_constrain_with_a_400_naming_it(fmt, named):
+    model = tiny_model("llama", seed=5, tokenizer=FULL)
+    with BackgroundServer(model, FULL, model_name="tiny", max_num_seqs=2, num_blocks=32, block_size=8) as server:
+        answer = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                            json={"messages": [{"role": "user", "content": "x"}], "response_format": fmt})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert named in error["message"] and error["param"] == "response_format", error
+        free = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                                "response_format": {"type": "text"}})
+        assert free.status_code == 200, free.text
+
+
+def test_real_model_server_json_modes(default_model):
+    """SmolLM2 behind the server: json_object and a held-out json_schema, streamed and not, all parse and match."""
+    from openai import OpenAI
+
+    model, tok = default_model
+    question, schema = HELD_OUT_REAL[0]
+    with BackgroundServer(model, tok, kv_cache_mb=32) as server:
+        client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": question}]
+        whole = client.chat.completions.create(model="default", messages=messages, max_tokens=80, temperature=0,
+                                               response_format=response_format(schema, "book"))
+        jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
+        stream = client.chat.completions.create(model="default", messages=messages, max_tokens=80, temperature=0,
+                                                response_format=response_format(schema, "book"), stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+            whole.choices[0].message.content
+        json_mode = client.chat.completions.create(
+            model="default", max_tokens=80, temperature=0.7, seed=2, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": "Describe a cat as a JSON object."}])
+        assert json_mode.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(json_mode.choices[0].message.content), dict)

@@ -19,6 +19,9 @@ Requests. Bodies are read with pydantic (types), then minillm's own checks (rang
     completions logprobs            the same (0-5), in the legacy shape
     completions echo                the prompt before the completion; with logprobs, the engine's
                                     prompt_top_logprobs too (the prompt's first token gets null)
+    chat response_format            json_object: json_schema={"type": "object"}; json_schema: its "schema"
+                                    (structured output, lesson 18; a keyword outside the subset is a 400
+                                    naming it)
 
 OpenAI samples by default (temperature 1); send `temperature: 0` for greedy decoding.
 Logprobs are those of the distribution each token was drawn from (`minillm.decoding.logprobs`);
@@ -31,12 +34,14 @@ Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, wi
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..decoding.json_schema import JSON_OBJECT_SCHEMA
 from ..decoding.logprobs import TokenLogprobs
 from ..decoding.outputs import check_fits_context
 from ..decoding.sampling import SamplingConfig
@@ -141,6 +146,27 @@ class ChatCompletionRequest(SamplingParameters):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def output_schema(self) -> str | None:
+        """The JSON schema (as JSON text) `response_format` asks the reply to match, or None for free text."""
+        fmt = self.response_format
+        if fmt is None or fmt == {"type": "text"}:
+            return None
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return json.dumps(JSON_OBJECT_SCHEMA)
+        if kind != "json_schema":
+            raise APIError(400, f'response_format type {kind!r} is invalid: must be "text", "json_object" or '
+                                f'"json_schema"', param="response_format")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise APIError(400, 'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
+                                '"schema": {...}}', param="response_format")
+        schema = spec.get("schema", JSON_OBJECT_SCHEMA)
+        if not isinstance(schema, (dict, bool)):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return json.dumps(schema)
+
     def logprob_options(self) -> dict:
         """The engine's logprobs settings: with `logprobs: true`, `top_logprobs` (default 0) likeliest tokens."""
         if self.top_logprobs is not None and not self.logprobs:
@@ -162,7 +188,6 @@ def refuse_unsupported(body: SamplingParameters) -> None:
         "suffix": getattr(body, "suffix", None) is not None,
         "logit_bias": bool(body.logit_bias),
         "tools": bool(getattr(body, "tools", None)),
-        "response_format": getattr(body, "response_format", None) not in (None, {"type": "text"}),
     }
     for name, used in unsupported.items():
         if used:
@@ -219,9 +244,10 @@ def sampling_config(body: SamplingParameters, max_new: int, choice: int = 0) -> 
     given = {"top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
              "repetition_penalty": body.repetition_penalty, "presence_penalty": body.presence_penalty,
              "frequency_penalty": body.frequency_penalty}
+    schema = body.output_schema() if isinstance(body, ChatCompletionRequest) else None
     try:
         return SamplingConfig(max_new_tokens=max_new, stop=body.stop or (), eos_token_id=() if body.ignore_eos else None,
-                              do_sample=True, temperature=temperature,
+                              do_sample=True, temperature=temperature, json_schema=schema,
                               seed=None if body.seed is None else body.seed + choice,
                               **{name: value for name, value in given.items() if value is not None})
     except SamplingError as e:

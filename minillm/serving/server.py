@@ -44,8 +44,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from ..decoding.automaton import PatternError
 from ..decoding.logprobs import TokenLogprobs
 from ..decoding.outputs import GenerationEvent
+from ..decoding.structured import token_index
 from ..runtime.engine import Engine
 from .async_engine import AsyncEngine, EngineFailed, QueueFull, Submitted
 from .metrics import ServerMetrics
@@ -187,6 +189,8 @@ class OpenAIServer:
                 flat.append(prompt)
                 configs.append(sampling_config(body, 1 if scoring_only else budget, choice))
         echo = [self.tokenizer.decode(prompt) for prompt in flat] if getattr(body, "echo", False) else None
+        if configs[0].constraint is not None:  # compiled once per schema, off the event loop; then cached
+            await self.compile_constraint(configs[0].constraint)
         try:
             return Choices(await self.engine.submit(flat, configs, **options), flat, sum(map(len, prompts)),
                            options["top_logprobs"] is not None, echo, scoring_only)
@@ -195,6 +199,15 @@ class OpenAIServer:
                            headers={"Retry-After": "1"}) from None
         except ValueError as e:  # the engine's own checks: token ids outside the vocabulary, a pool too small
             raise APIError(400, " ".join(str(e).split())) from None
+
+    async def compile_constraint(self, constraint: tuple[str, str]) -> None:
+        """Build the schema's automaton and token index now (the engine's requests find it cached); a schema
+        outside the supported subset is a 400 naming the keyword."""
+        vocab_size = self.engine.engine.model.config.vocab_size
+        try:
+            await asyncio.to_thread(token_index, *constraint, self.tokenizer, vocab_size)
+        except PatternError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format") from None
 
     async def events(self, choices: Choices, request: Request):
         """(choice index, piece) until every choice has finished; ends overdue choices with "length".
