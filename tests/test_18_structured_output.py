@@ -447,6 +447,19 @@ def test_the_engine_gives_each_constrained_request_its_solo_tokens():
     assert re.fullmatch(r"(yes|no)!{1,3}", together.rows[2].text)
 
 
+def test_strategies_that_do_not_apply_the_mask_refuse_a_constraint():
+    from minillm.strategies.beam import BeamSearchError, beam_search
+    from minillm.strategies.drafters import PromptLookup
+    from minillm.strategies.speculative import speculative_generate
+
+    model, prompt = tiny_model(), SMALL.encode("yes")
+    with pytest.raises(BeamSearchError, match="regex"):
+        beam_search(model, [prompt], tokenizer=SMALL, regex="yes", num_beams=2)
+    with pytest.raises(ValueError, match="structured output"):
+        speculative_generate(model, prompt, PromptLookup(), SamplingConfig(json_schema={"type": "object"}),
+                             tokenizer=SMALL)
+
+
 def test_constraint_follows_eos_and_refuses_a_token_it_did_not_allow():
     index = token_index("regex", "ab", SMALL, len(PIECES))
     constraint = Constraint(index)

@@ -133,13 +133,13 @@ class TokenIndex:
     def mask(self, state: int) -> torch.Tensor:
         """bool [V]: the tokens allowed in `state` (EOS where the text is whole); cached per state."""
         if state not in self.masks:
-            allowed = torch.from_numpy(self.next_states(state) >= 0)
-            if bool(self.dfa.accepting[state]):
+            allowed = self.next_states(state) >= 0  # numpy throughout: a torch reduction here costs more than the walk
+            if self.dfa.accepting[state]:
                 allowed[list(self.vocabulary.eos_ids)] = True
-            if not bool(allowed.any()):
+            if not allowed.any():
                 raise StructuredOutputError(f"no token of this vocabulary continues the constrained text from "
                                             f"state {state} (and EOS is not set)")
-            self.masks[state] = allowed
+            self.masks[state] = torch.from_numpy(allowed)
         return self.masks[state]
 
     def precompute(self) -> None:

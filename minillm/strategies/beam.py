@@ -84,7 +84,8 @@ def check_beam_options(config: SamplingConfig, num_beams, length_penalty, early_
         raise BeamSearchError("beam search does not sample: set do_sample=False (or temperature 0); "
                               "beam sampling is not supported")
     unsupported = {"repetition_penalty": config.repetition_penalty != 1, "stop": bool(config.stop),
-                   "presence_penalty": config.presence_penalty != 0, "frequency_penalty": config.frequency_penalty != 0}
+                   "presence_penalty": config.presence_penalty != 0, "frequency_penalty": config.frequency_penalty != 0,
+                   "json_schema": config.json_schema is not None, "regex": config.regex is not None}
     for name, is_set in unsupported.items():
         if is_set:
             raise BeamSearchError(f"beam search does not support {name}={getattr(config, name)!r}: leave it at its "

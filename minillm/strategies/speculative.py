@@ -87,6 +87,9 @@ class SpeculativeDecoder:
                              f"shorten the prompt or lower max_new_tokens")
         if config.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=...")
+        if config.constraint is not None:
+            raise ValueError(f"{config.constraint[0]} (structured output) is not supported with speculative decoding "
+                             f"or lookahead: use generate or the engine (the server)")
         self.model, self.drafter, self.config, self.k = model, drafter, config, num_draft_tokens
         # The drafters read the penalties' history whatever the settings: the sequence always keeps one.
         self.seq = Sequence.create(prompt_ids, config, tokenizer=tokenizer, vocab_size=model.config.vocab_size,
