@@ -578,3 +578,7 @@ def test_real_model_server_json_modes(default_model):
             messages=[{"role": "user", "content": "Describe a cat as a JSON object."}])
         assert json_mode.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(json_mode.choices[0].message.content), dict)
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("18_structured_output.ipynb", timeout=600)
