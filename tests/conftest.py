@@ -81,21 +81,32 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_notebook():
     """Execute notebooks/<name> top to bottom in a fresh kernel; a failing cell fails the test.
 
-    `timeout` bounds each cell (seconds). Returns the executed notebook.
+    `timeout` bounds each cell (seconds). Returns the executed notebook. A cell that quotes results/
+    (its metadata names them under `quotes`) must print again exactly what it stored: a number edited
+    by hand, or a results file re-measured without re-running the notebook, fails here.
     """
     import nbformat
     from nbclient import NotebookClient
 
-    def run(name: str, timeout: int = 300):
-        nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    def printed(cell) -> str:
+        return "".join(output.get("text", "") + output.get("data", {}).get("text/plain", "")
+                       for output in cell.get("outputs", []))
+
+    def run(name: str, timeout: int = 300, folder: Path = ROOT / "notebooks"):
+        nb = nbformat.read(folder / name, as_version=4)
+        stored = {index: printed(cell) for index, cell in enumerate(nb.cells) if cell.metadata.get("quotes")}
         env_path = os.environ.get("PYTHONPATH", "")
         os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + env_path if env_path else "")
         os.environ.setdefault("MPLBACKEND", "Agg")
         try:
             NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                           resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+                           resources={"metadata": {"path": str(folder)}}).execute()
         finally:
             os.environ["PYTHONPATH"] = env_path
+        for index, text in stored.items():
+            assert printed(nb.cells[index]) == text, (
+                f"{name} cell {index} stores other numbers than results/ {nb.cells[index].metadata['quotes']} give "
+                f"now: re-run the notebook (jupyter nbconvert --execute --inplace) and commit it")
         return nb
 
     return run

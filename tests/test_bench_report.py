@@ -226,7 +226,7 @@ def test_lookahead_report_quotes_speedups_forwards_and_the_best_setting(results_
 
 def test_report_names_command_machine_and_commit(results_dir):
     text = flat(report.regenerate(TEMPLATE, results_dir, results_dir))
-    assert "_`python -m minillm.bench decode` on Test CPU, 4 cores, 16 GiB (cpu), torch 2.13.0+cpu" in text
+    assert "_`python -m minillm.bench decode` on Test CPU, 4 cores, AVX2, 16 GiB (cpu), torch 2.13.0+cpu" in text
     assert "commit 0123456, 2025-01-02; medians of 3 timed repeats" in text
     dirty = {**decode_result(), "git": {"commit": COMMIT, "dirty": True}}
     write_results("decode", dirty, results_dir)
@@ -287,6 +287,24 @@ def test_report_check_exits_1_when_stale(results_dir, tmp_path, capsys):
     assert main(["report", "--out", str(results_dir), "--readme", str(readme)]) == 0
     assert main(["report", "--out", str(results_dir), "--readme", str(readme), "--check"]) == 0
     assert "[plot](decode.png)" in readme.read_text()  # links relative to the README
+
+
+def test_readme_and_lesson_tables_say_what_the_results_say(capsys):
+    """The committed README and lesson tables are the committed results, regenerated: none typed, none stale."""
+    from minillm.bench.cli import main
+
+    assert main(["report", "--check"]) == 0, capsys.readouterr().out[-2000:]
+
+
+def test_committed_results_come_from_one_machine():
+    """Ratios are only comparable within one machine (and its vector ISA) and one torch: re-run a stray suite."""
+    from minillm.bench.common import machine_label
+
+    stamps = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        machine = read_json(path)["machine"]
+        stamps.setdefault((machine_label(machine), machine["torch"]), []).append(path.stem)
+    assert len(stamps) == 1, f"results/ mixes machines: {stamps}"
 
 
 # --- Plots. ---------------------------------------------------------------------------------------------------------

@@ -75,6 +75,87 @@ def test_notebook_is_committed_executed(notebook):
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_outputs_are_clean(notebook):
+    """Nothing a learner would wonder about: no stderr (warnings, progress bars frozen mid-way, probe lines)."""
+    for index, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        for output in cell.get("outputs", []):
+            text = "".join(output.get("text", ""))
+            assert not (output["output_type"] == "stream" and output["name"] == "stderr"), \
+                f"{notebook.name} cell {index} stores stderr: {text[:120]!r}; silence it at its cause and re-run"
+            assert not NOISE.search(text), f"{notebook.name} cell {index} stores {NOISE.search(text).group()!r}"
+
+
+# --- Stored numbers: where they come from. ----------------------------------------------------------------------------
+
+RAN_ON = re.compile(r"^ran on: (.+) \(torch ([^)]+)\)$", re.MULTILINE)  # what `bench.common.ran_on` prints
+READS_RESULTS = re.compile(r"results/[\w{}-]+\.json|RESULTS /")
+NOISE = re.compile(r"\bWarning\b|USDT|\s0%\|")
+
+
+def stale_quotes(notebook: Path, results: Path) -> list[str]:
+    """Why `notebook`'s stored outputs and the `results` files it quotes may not belong together ([] if they do).
+
+    Its first cell prints the machine it ran on; each cell that reads results/ names the files in its
+    metadata (`quotes`), and each of those files must come from that same machine and torch. The
+    numbers themselves are tied when the notebook runs: `run_notebook` (conftest) fails when a quoting
+    cell prints anything other than what it stored.
+    """
+    from minillm.bench.common import machine_label
+
+    code = [cell for cell in json.loads(notebook.read_text())["cells"] if cell["cell_type"] == "code"]
+    printed = "".join("".join(output.get("text", "")) for output in code[0]["outputs"])
+    ran = RAN_ON.search(printed)
+    if not ran:
+        return [f"{notebook.name}: its first cell does not print `ran_on()`: the machine its outputs come from"]
+    problems = []
+    for cell in code:
+        quotes = cell["metadata"].get("quotes", [])
+        if READS_RESULTS.search("".join(cell["source"])) and not quotes:
+            problems.append(f"{notebook.name}: a cell reads results/ without naming them in metadata['quotes']")
+        for name in quotes:
+            machine = json.loads((results / f"{name}.json").read_text())["machine"]
+            stamp = (machine_label(machine), machine["torch"])
+            if stamp != ran.groups():
+                problems.append(f"{notebook.name} ran on {ran.group(1)} (torch {ran.group(2)}) but quotes "
+                                f"results/{name}.json from {stamp[0]} (torch {stamp[1]}): re-run one of them")
+    return problems
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_names_its_machine_and_quotes_results_from_it(notebook):
+    assert stale_quotes(notebook, ROOT / "results") == []
+
+
+def test_a_stale_quote_is_caught(tmp_path):
+    """A results file re-measured on another machine, with the notebook not re-run, is named."""
+    notebook = next(path for path in NOTEBOOKS if "quotes" in path.read_text())
+    quoted = {name for cell in json.loads(notebook.read_text())["cells"]
+              for name in cell["metadata"].get("quotes", [])}
+    for name in quoted:
+        data = json.loads((ROOT / "results" / f"{name}.json").read_text())
+        data["machine"]["cpu"] = "Another CPU"
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    problems = stale_quotes(notebook, tmp_path)
+    assert len(problems) == len(quoted) and all("Another CPU" in problem for problem in problems)
+
+
+def test_a_stale_stored_number_fails_the_notebook_run(run_notebook, tmp_path):
+    """A quoting cell whose stored output no longer matches its results file fails when the notebook runs."""
+    import nbformat
+
+    (tmp_path / "speed.json").write_text(json.dumps({"tokens_per_second": 42.0}))
+    cell = nbformat.v4.new_code_cell('import json\nprint(json.load(open("speed.json"))["tokens_per_second"])',
+                                     metadata={"quotes": ["speed"]})
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="41.0\n")]  # planted: measured before
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "planted.ipynb")
+    with pytest.raises(AssertionError, match="stores other numbers"):
+        run_notebook("planted.ipynb", folder=tmp_path)
+    cell.outputs[0].text = "42.0\n"
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "planted.ipynb")
+    run_notebook("planted.ipynb", folder=tmp_path)  # up to date: passes
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
 def test_notebook_states_what_it_needs_and_how_long_it_runs(notebook):
     first = "".join(json.loads(notebook.read_text())["cells"][0]["source"])
     assert "**Needs:**" in first and "**Runs in:**" in first, f"{notebook.name}: state needs and run time on top"

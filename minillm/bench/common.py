@@ -85,11 +85,36 @@ def machine_info(device: str = "cpu") -> dict:
     return info
 
 
+def vector_isa(flags) -> str | None:
+    """The widest vector instructions among `flags` ('AMX', 'AVX-512', 'AVX2', 'SVE', 'NEON'), None if unknown.
+
+    Two machines with the same CPU name can differ here (the same cloud's EPYCs come with and without AVX-512),
+    and it decides how fast int8 and bfloat16 kernels run, so a number is only comparable within one level.
+    """
+    flags = set(flags or ())
+    for level, needs in (("AMX", "amx_bf16"), ("AVX-512", "avx512f"), ("AVX2", "avx2"), ("SVE", "sve"),
+                         ("NEON", "asimd")):
+        if needs in flags:
+            return level
+    return None
+
+
 def machine_label(info: dict) -> str:
-    """Short machine name for plot titles."""
+    """Short machine name for titles and stamps: 'AMD EPYC, 2 cores, AVX2' (a GPU by its name)."""
     if "gpu" in info:
         return info["gpu"]
-    return f"{info['cpu'].replace('(R)', '').replace('Intel Xeon', 'Xeon')}, {info['cores']} cores"
+    label = f"{info['cpu'].replace('(R)', '').replace('Intel Xeon', 'Xeon')}, {info['cores']} cores"
+    isa = vector_isa(info.get("cpu_flags"))
+    return f"{label}, {isa}" if isa else label
+
+
+def ran_on(device: str = "cpu") -> str:
+    """The line a notebook's first cell prints, so its stored outputs name the machine they came from.
+
+    `tests/test_lessons.py` reads it back and checks it against the machine of every results file the
+    notebook quotes.
+    """
+    return f"ran on: {machine_label(machine_info(device))} (torch {torch.__version__})"
 
 
 def model_label(name: str) -> str:

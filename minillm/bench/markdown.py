@@ -62,7 +62,7 @@ def bold_max(cells: list[str], values: list[float]) -> list[str]:
 # --- Where a result came from. --------------------------------------------------------------------------------------
 
 def machine_text(machine: dict) -> str:
-    """'AMD EPYC, 2 cores, 24 GiB (cpu), torch 2.13.0+cpu, transformers 5.23.0', from what the JSON recorded."""
+    """'AMD EPYC, 2 cores, AVX2, 24 GiB (cpu), torch 2.13.0+cpu, transformers 5.23.0', from what the JSON recorded."""
     text = machine_label(machine)
     if machine.get("memory_gib"):
         text += f", {machine['memory_gib']:.0f} GiB"
