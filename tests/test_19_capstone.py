@@ -212,3 +212,7 @@ def test_real_model_greedy_tokens_equal_the_package(default_model):
     out = engine.run(prompts, Params(max_new_tokens=20), arrivals=[0, 1, 3])
     assert [r.generated for r in out] == expected
     assert sum(r.accepted for r in out) > 0  # the rewrite quotes its prompt
+
+
+def test_notebook_runs(run_notebook):
+    run_notebook("19_capstone.ipynb", timeout=600)

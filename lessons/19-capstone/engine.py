@@ -133,6 +133,7 @@ class Model:
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold `tokens` tokens (the last one may be part full)."""
     return -(-tokens // block_size)
 
 
