@@ -89,8 +89,9 @@ def run_notebook():
     from nbclient import NotebookClient
 
     def printed(cell) -> str:
+        """What the cell printed and returned as text; displayed figures depend on the plotting backend."""
         return "".join(output.get("text", "") + output.get("data", {}).get("text/plain", "")
-                       for output in cell.get("outputs", []))
+                       for output in cell.get("outputs", []) if output["output_type"] != "display_data")
 
     def run(name: str, timeout: int = 300, folder: Path = ROOT / "notebooks"):
         nb = nbformat.read(folder / name, as_version=4)
