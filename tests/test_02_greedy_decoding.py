@@ -64,6 +64,16 @@ def test_sliding_window_chunked_is_the_same_for_every_cache(tiny):
     assert outs[0] == outs[1] == outs[2]
 
 
+@pytest.mark.parametrize("slide", [0, 65, 200])
+def test_a_slide_outside_one_to_the_context_length_is_refused(tiny, slide):
+    """A slide longer than the window would move it past the row's end (an empty window): refused up front."""
+    _, model = tiny
+    with pytest.raises(ValueError, match=f"window_slide={slide} is invalid: must be between 1 and the model's "
+                                         r"context length \(64\)"):
+        generate(model, [[1, 2, 3]], max_new_tokens=80, window_slide=slide)
+    assert len(generate(model, [[1, 2, 3]], max_new_tokens=80, window_slide=64).token_ids[0]) == 80
+
+
 def test_stops_at_eos_per_row(tiny):
     _, model = tiny
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]

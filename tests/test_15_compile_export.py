@@ -100,6 +100,23 @@ def test_compiled_model_refuses_a_growing_cache(tiny_llama):
         generate(tiny_llama[0], [1, 2], max_new_tokens=2, cache="dynamic", compile=True)
 
 
+def test_autotuning_is_left_to_models_large_enough_to_gain():
+    """Tiny models compile without autotuning (it would triple their compile time for nothing); the default
+    model's size autotunes; an explicit choice is kept, and is part of what a kept package's key holds."""
+    from minillm.model.config import ModelConfig
+    from minillm.model.transformer import Transformer
+    from minillm.speed.inductor import AUTOTUNE_MIN_ELEMENTS, worth_autotuning
+
+    tiny = tiny_pair("llama")[1]
+    large = Transformer(ModelConfig(vocab_size=4096, context_length=64, n_layer=1, n_head=4, d_model=256))
+    assert sum(p.numel() for p in large.parameters()) >= AUTOTUNE_MIN_ELEMENTS
+    assert not worth_autotuning(tiny) and worth_autotuning(large)
+    assert CompiledModel(tiny, kept=True).settings == {"autotune": False}
+    assert CompiledModel(large, kept=True).settings == {"autotune": True}
+    assert CompiledModel(tiny, autotune=True, kept=True).settings == {"autotune": True}
+    assert compile_model(tiny, kept=True) is compile_model(tiny, autotune=False, kept=True)
+
+
 def test_context_buckets_are_few_and_hold_the_run():
     assert [context_bucket(n, 8192) for n in (1, 200, 256, 257, 3000)] == [256, 256, 256, 512, 4096]
     assert context_bucket(500, 300) == 300  # never past the model's context

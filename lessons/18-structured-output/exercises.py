@@ -39,7 +39,7 @@ def schema_to_regex(schema: dict) -> str:
     `json.dumps(value, separators=(",", ":"), ensure_ascii=False)` writes it. Mind property
     names that hold regex characters.
 
-    Returns a pattern for `re.fullmatch` (and for `minillm.decoding.automaton.regex_dfa`).
+    Returns a pattern for `re.fullmatch` (and for `minillm.decoding.regex.regex_dfa`).
     """
     raise NotImplementedError
 

@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from minillm.decoding.automaton import compile_dfa, regex_dfa
+from minillm.decoding.automaton import compile_dfa
 from minillm.decoding.json_schema import schema_node
+from minillm.decoding.regex import regex_dfa
 from minillm.decoding.structured import TokenIndex, Vocabulary
 
 PIECES = [None, b"{", b"}", b'"', b":", b",", b" ", b'{"', b'":', b"yes", b"no", b"!", b"!!", b"ye", b"s", b"n",

@@ -18,7 +18,9 @@ itself). Reported per task: tokens/s over the whole call (prefill included) as a
 multiple of the same library's plain greedy, tokens per target forward (the effective
 decoding length), tokens fed per forward, acceptance per draft depth, the share of the
 time spent retrieving drafts, and whether the tokens equal plain greedy's. A sweep over
-decoding length x branch length runs the warm lookahead once per setting.
+decoding length x branch length runs the warm lookahead once per setting. Every minillm
+run is eager (`compile=False`), drafters and plain alike: a graph kept on disk by an
+earlier run (lesson 15) must not speed up one side of a comparison.
 
     python -m minillm.bench lookahead            # every held-out prompt, 128 new tokens, the sweep
     python -m minillm.bench lookahead --quick    # 1 prompt per task, 48 new tokens, a 2 x 2 sweep
@@ -125,7 +127,7 @@ def run_speculative(model, tokenizer, ids, drafter, max_new_tokens: int, k: int 
     k and adaptive left as None: the drafter's own (lookahead: its decoding length, adapting)."""
     start = time.perf_counter()
     out = speculative_generate(model, ids, drafter, tokenizer=tokenizer, num_draft_tokens=k,
-                               max_new_tokens=max_new_tokens, adaptive=adaptive)
+                               max_new_tokens=max_new_tokens, adaptive=adaptive, compile=False)
     return time.perf_counter() - start, out
 
 
@@ -188,7 +190,7 @@ def sweep(model, tokenizer, ids, memory, max_new_tokens: int, decoding_lengths, 
     """Warm lookahead at each decoding length x branch length, one timed run each (after plain greedy's)."""
     generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens, compile=False)  # warm-up
     start = time.perf_counter()
-    generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
+    generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens, compile=False)
     plain_seconds = time.perf_counter() - start
     rows = {}
     for n in decoding_lengths:

@@ -8,7 +8,9 @@ run. Reported: tokens/s (generated tokens over the whole call, prefill included)
 speedup over the same library's plain greedy, acceptance rate, tokens per target
 forward, whether the tokens equal plain greedy's, and the cost model's prediction from
 the measured acceptance rate, the measured draft/target cost ratio c and the measured
-cost of verifying k + 1 tokens in one forward.
+cost of verifying k + 1 tokens in one forward. Every minillm run is eager (`compile=False`):
+a decode graph kept on disk by an earlier run (lesson 15) would otherwise speed up plain
+decoding and not the verify forwards, and the comparison would depend on the cache's state.
 
 Every k adds one run per drafter and library, and a draft model's run grows with k
 (it drafts k tokens one forward at a time), so the draft lengths decide the run time:
@@ -85,7 +87,8 @@ def measure_task(model, tokenizer, prompt: str, ks, max_new_tokens: int, repeats
     runs, outputs = {}, {}
 
     def minillm_plain():
-        outputs["minillm plain"] = generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
+        outputs["minillm plain"] = generate(model, ids, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
+                                            compile=False)
 
     runs["minillm plain"] = minillm_plain
     drafters = {"prompt-lookup": PromptLookup, **{f"draft {name}": (lambda m=m: DraftModel(m)) for name, m in drafts.items()}}
@@ -93,7 +96,8 @@ def measure_task(model, tokenizer, prompt: str, ks, max_new_tokens: int, repeats
         for k in ks:
             def run(name=name, make=make, k=k):
                 outputs[f"minillm {name}", k] = speculative_generate(model, ids, make(), tokenizer=tokenizer,
-                                                                     num_draft_tokens=k, max_new_tokens=max_new_tokens)
+                                                                     num_draft_tokens=k, max_new_tokens=max_new_tokens,
+                                                                     compile=False)
             runs[f"minillm {name}", k] = run
     if hf is not None:
         input_ids = torch.tensor([ids])

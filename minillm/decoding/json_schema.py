@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import json
 
-from .automaton import Alt, Chars, Node, PatternError, Repeat, Separated, Seq, literal, negated, parse_regex
+from .automaton import Alt, Chars, Node, PatternError, Repeat, Separated, Seq, literal, negated
+from .regex import parse_regex
 
 ANY_DEPTH = 4  # how deep free-form JSON (json_object mode) may nest: objects and arrays within objects ...
 WHITESPACE = Repeat(literal(" "), 0, 1)

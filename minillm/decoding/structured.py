@@ -29,8 +29,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .automaton import DFA, compile_dfa, parse_regex
+from .automaton import DFA, compile_dfa
 from .json_schema import schema_node
+from .regex import parse_regex
 
 CACHE_SIZE = 32  # compiled (schema or regex, vocabulary) pairs kept
 

@@ -80,10 +80,13 @@ def tiny_family_model(kind: str, vocab_size: int, context_length: int):
     if kind == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=TINY_WINDOW, **llama_like))
     if kind == "phi3":
-        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        # Trained for half the context: prompts past it switch to the long factors. Phi3Config takes the original
+        # length at its top level too, and its default (4096) would otherwise replace the one in rope_parameters.
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 2.0,
                 "original_max_position_embeddings": context_length // 2,
                 "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0]}
         return tf.Phi3ForCausalLM(tf.Phi3Config(rope_parameters=rope, sliding_window=TINY_WINDOW,
+                                                original_max_position_embeddings=context_length // 2,
                                                 resid_pdrop=0.0, embd_pdrop=0.0, **llama_like))
     if kind in ("opt", "opt-pre"):
         return tf.OPTForCausalLM(tf.OPTConfig(

@@ -38,11 +38,9 @@ the updated keys/values out.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import time
-import warnings
 import weakref
 
 import torch
@@ -54,6 +52,7 @@ from ..model.attention import set_attention_backend
 from ..model.rope import RopeTable
 from .attention_kernels import make_backend
 from .graph_store import StepShape, graph_key, is_built, load_or_build
+from .inductor import inductor_settings, worth_autotuning
 from .onednn import use_plain_linear
 
 
@@ -160,11 +159,13 @@ class CompiledModel:
     `eager_calls`): the session's cache is the same either way.
     """
 
-    def __init__(self, model, chunk: int = 64, autotune: bool = True, kept: bool = False):
+    def __init__(self, model, chunk: int = 64, autotune: bool | None = None, kept: bool = False):
         """kept: run the graphs as AOTInductor packages kept on disk (`minillm.speed.graph_store`), built
-        or loaded by `prepare` before the run; False: torch.compile them in this process as they are met."""
+        or loaded by `prepare` before the run; False: torch.compile them in this process as they are met.
+        autotune: None decides by the model's size (`worth_autotuning`)."""
         if chunk < 1:
             raise ValueError(f"chunk={chunk}: the prefill chunk length must be >= 1")
+        autotune = worth_autotuning(model) if autotune is None else autotune
         self.model, self.chunk, self.config, self.autotune, self.kept = model, chunk, model.config, autotune, kept
         self.graphs = 0  # graphs compiled so far (a recompile adds one)
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
@@ -347,58 +348,22 @@ def spare_rows_fed(rows: int, tokens, positions, columns, mask):
             torch.cat((mask, first_column)))
 
 
-@contextlib.contextmanager
-def inductor_settings(autotune: bool, device):
-    """Inductor's settings for a compile: frozen weights and, with `autotune`, generated matmul kernels.
-
-    Freezing turns the weights into constants, so Inductor may lay them out for its own
-    kernels once, at compile time. With autotune (`max_autotune`) each matmul becomes a
-    choice: the library call (MKL on x86 CPUs) or a kernel Inductor generates for this
-    exact shape (on CPUs its C++ GEMM template over the prepacked weight; on GPUs Triton
-    templates), timed on the spot, the fastest kept. At batch 1 a decode matmul is a
-    matrix-vector product whose speed is how fast the weight streams from memory, and a
-    kernel made for one shape (no blocking for rows that never come) streams it closer
-    to the memory bandwidth than a general GEMM library: that is most of the compiled
-    step's gain. Autotuning costs compile time, once per graph; Inductor's own table of
-    the timings is not printed.
-    """
-    from torch._inductor import config, select_algorithm
-
-    on_cpu = torch.device(device).type == "cpu"
-    settings = {"freezing": True}
-    if on_cpu:
-        # The graph's own driver in C++ rather than Python: a decode step launches some ten kernels per
-        # block, and calling each from Python costs more than the small ones take to run.
-        settings["cpp_wrapper"] = True
-    if autotune:
-        settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
-        if on_cpu:
-            settings["max_autotune_gemm_backends"] = "CPP,ATEN"
-    quiet = contextlib.nullcontext()
-    if autotune and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
-        from unittest import mock
-
-        quiet = mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
-    with config.patch(settings), quiet, warnings.catch_warnings():
-        # Inductor's autotuner itself still calls the deprecated `Tensor.storage()`: not the reader's concern.
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        yield
-
-
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compile_model(model, chunk: int = 64, autotune: bool = True, kept: bool = False) -> CompiledModel:
+def compile_model(model, chunk: int = 64, autotune: bool | None = None, kept: bool = False) -> CompiledModel:
     """The model's compiled twin, made once per model and settings (compiled graphs are kept with it).
 
     autotune: let Inductor time generated matmul kernels against the library's and keep the
-    fastest (`inductor_settings`): slower to compile, faster to run. kept: its graphs are
+    fastest (`inductor_settings`): slower to compile, faster to run; None (the default): when
+    the model is large enough for it to pay (`worth_autotuning`). kept: its graphs are
     AOTInductor packages on disk (`minillm.speed.graph_store`), built once per machine and loaded
     by `CompiledModel.prepare`; False: compiled in this process by torch.compile when first met.
     """
     if isinstance(model, CompiledModel):
         return model
     per_model = _COMPILED.setdefault(model, {})
+    autotune = worth_autotuning(model) if autotune is None else autotune
     if (chunk, autotune, kept) not in per_model:
         per_model[chunk, autotune, kept] = CompiledModel(model, chunk, autotune, kept)
     return per_model[chunk, autotune, kept]

@@ -55,8 +55,9 @@ class Generation:
 
     def __init__(self, model, prompts, config=None, *, tokenizer=None, cache: str = "static",
                  window_slide: int = 1, compile: bool | None = None, **config_overrides):
-        if window_slide < 1:
-            raise ValueError(f"window_slide={window_slide} is invalid: must be >= 1")
+        if not 1 <= window_slide <= model.config.context_length:  # a longer slide would leave the window empty
+            raise ValueError(f"window_slide={window_slide} is invalid: must be between 1 and the model's context "
+                             f"length ({model.config.context_length})")
         self.model, self.tokenizer, self.window_slide = model, tokenizer, window_slide
         prompt_ids = encode_prompts(prompts, tokenizer)
         check_prompts(prompt_ids, model.config.context_length, model.config.vocab_size)

@@ -1,0 +1,68 @@
+"""Inductor's settings for the course's compiles: frozen weights, a C++ driver, autotuning where it pays.
+
+`CompiledModel` (compile.py) compiles in this process and `graph_store` builds kept packages; both
+compile under `inductor_settings`, and both key what they build by whether it was autotuned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+
+import torch
+
+AUTOTUNE_MIN_ELEMENTS = 1_000_000
+
+
+def worth_autotuning(model) -> bool:
+    """Whether autotuning pays for this model: at least a million weight elements (parameters and buffers).
+
+    Autotuning compiles and times several kernels for every matmul shape (`inductor_settings`):
+    for the default model that is minutes well spent, since its matmuls stream megabytes per
+    step. A model of a few thousand weights (the course's tiny test models) runs no faster with
+    a tuned kernel, and would triple its compile time for nothing.
+    """
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(tensor.numel() for tensor in tensors) >= AUTOTUNE_MIN_ELEMENTS
+
+
+@contextlib.contextmanager
+def inductor_settings(autotune: bool, device):
+    """Inductor's settings for a compile: frozen weights and, with `autotune`, generated matmul kernels.
+
+    Freezing turns the weights into constants, so Inductor may lay them out for its own
+    kernels once, at compile time. With autotune (`max_autotune`) each matmul becomes a
+    choice: the library call (MKL on x86 CPUs) or a kernel Inductor generates for this
+    exact shape (on CPUs its C++ GEMM template over the prepacked weight; on GPUs Triton
+    templates), timed on the spot, the fastest kept. At batch 1 a decode matmul is a
+    matrix-vector product whose speed is how fast the weight streams from memory, and a
+    kernel made for one shape (no blocking for rows that never come) streams it closer
+    to the memory bandwidth than a general GEMM library: that is most of the compiled
+    step's gain. Autotuning costs compile time, once per graph; Inductor's own table of
+    the timings is not printed.
+    """
+    from torch._inductor import config, select_algorithm
+
+    on_cpu = torch.device(device).type == "cpu"
+    settings = {"freezing": True}
+    if on_cpu:
+        # The graph's own driver in C++ rather than Python: a decode step launches some ten kernels per
+        # block, and calling each from Python costs more than the small ones take to run.
+        settings["cpp_wrapper"] = True
+    if autotune:
+        settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
+        if on_cpu:
+            settings["max_autotune_gemm_backends"] = "CPP,ATEN"
+    quiet = contextlib.nullcontext()
+    if autotune and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
+        from unittest import mock
+
+        quiet = mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
+    with config.patch(settings), quiet, warnings.catch_warnings():
+        # Inductor's autotuner itself still calls the deprecated `Tensor.storage()`: not the reader's concern.
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        yield
+
+
+__all__ = ["AUTOTUNE_MIN_ELEMENTS", "inductor_settings", "worth_autotuning"]
