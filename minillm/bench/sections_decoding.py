@@ -125,11 +125,52 @@ def batch_section(title: str, data: dict, links: dict) -> str:
             "the step's matrix multiplications become compute-bound; and a padded prefill computes padding too: "
             f"{md.percent(biggest['prefill_padding_share'])} of the prefill positions at batch {biggest['batch']} "
             "(lesson 07's packed-prefill exercise removes it).")
-    return "\n\n".join([
+    return "\n\n".join(part for part in [
         md.heading(title, links,
                    f"{model_label(data['model'])}, {md.PRECISIONS.get(data['dtype'], data['dtype'])}, greedy, prompts "
                    f"of {min(lengths)}-{max(lengths)} tokens, {data['new_tokens']} new tokens each. {same}"),
-        md.provenance(data), md.table(header, body), md.paragraph(text)])
+        md.provenance(data), md.table(header, body), md.paragraph(text), _batch_balance(data)] if part)
+
+
+def _batch_balance(data: dict) -> str:
+    """Where the decode phase stops gaining from rows, and why: the weight reading against the arithmetic.
+
+    Read from the decode-only rates: a step of B rows takes B / rate seconds. The batch-1 step gives the
+    effective read bandwidth (the weights' bytes over its time), the largest batch the arithmetic rate
+    the cores sustain (its flops over its time); rows are nearly free until their arithmetic takes as
+    long as the weight reading. Only for the default model, whose weights and flops the cost model counts.
+    """
+    from ..model.loading import DEFAULT_ALIASES
+    from .cost import SMOLLM2_135M, forward_flops, weight_bytes
+
+    if data["model"] not in DEFAULT_ALIASES or data["dtype"] != "float32":
+        return ""
+    rows = data["rows"]
+    batches = [row["batch"] for row in rows]
+    rates = [row["minillm"]["decode_per_second"] for row in rows]
+    step_ms = [1000 * b / rate for b, rate in zip(batches, rates)]
+    linear = max((b for b, rate in zip(batches, rates) if rate / rates[0] >= 0.9 * b / batches[0]), default=batches[0])
+    at = batches.index(linear)
+    gains = ", ".join(f"{rates[i] / rates[i - 1]:.2f}x to {batches[i]}" for i in range(at + 1, len(rows)))
+    context = max(rows[-1]["prompt_lengths"]) + data["new_tokens"] // 2
+    flops = forward_flops(SMOLLM2_135M, 1, context)  # per token (row) of a decode step
+    read_gb_s = weight_bytes(SMOLLM2_135M) / (step_ms[0] / 1000) / 1e9
+    sustained = batches[-1] * flops / (step_ms[-1] / 1000)
+    balance = (step_ms[0] / 1000) / (flops / sustained)
+    if linear == batches[0]:
+        growth = f"grows less than B-fold from the first step up ({gains})"
+    else:
+        growth = (f"grows about B-fold up to batch {linear} ({rates[at]:.1f} tok/s, {rates[at] / rates[0]:.1f}x batch "
+                  f"{batches[0]}'s {rates[0]:.1f})" + (f", then each doubling gains less: {gains}" if gains else ""))
+    return md.paragraph(
+        f"In the decode phase alone throughput {growth}, while each row's step takes {step_ms[at]:.0f} ms at batch "
+        f"{linear} and {step_ms[-1]:.0f} ms at batch {batches[-1]}. The batch-{batches[0]} step reads the weights at "
+        f"an effective {read_gb_s:.1f} GB/s ({weight_bytes(SMOLLM2_135M) / 1e6:.0f} MB in {step_ms[0]:.1f} ms) and "
+        f"does {flops / 1e9:.2f} GFLOP per row; batch {batches[-1]} sustains {sustained / 1e9:.0f} GFLOP/s "
+        f"({batches[-1] * flops / 1e9:.1f} GFLOP in {step_ms[-1]:.0f} ms), so a step's arithmetic takes as long as "
+        f"its weight reading at about {balance:.0f} rows. Below that, extra rows are nearly free; beyond it, the step "
+        "is compute-bound and a bigger batch mostly adds latency (lesson 12's exercise 3 predicts this point from "
+        "these two rates).")
 
 
 def speculative_section(title: str, data: dict, links: dict) -> str:
