@@ -7,8 +7,10 @@ figure is read from the data (`python -m minillm.bench report` assembles them).
 
 from __future__ import annotations
 
+from ..model.loading import DEFAULT_ALIASES
 from . import markdown as md
 from .common import model_label
+from .cost import SMOLLM2_135M, forward_flops, weight_bytes
 
 
 def decode_section(title: str, data: dict, links: dict) -> str:
@@ -140,9 +142,6 @@ def _batch_balance(data: dict) -> str:
     the cores sustain (its flops over its time); rows are nearly free until their arithmetic takes as
     long as the weight reading. Only for the default model, whose weights and flops the cost model counts.
     """
-    from ..model.loading import DEFAULT_ALIASES
-    from .cost import SMOLLM2_135M, forward_flops, weight_bytes
-
     if data["model"] not in DEFAULT_ALIASES or data["dtype"] != "float32":
         return ""
     rows = data["rows"]
@@ -154,7 +153,8 @@ def _batch_balance(data: dict) -> str:
     gains = ", ".join(f"{rates[i] / rates[i - 1]:.2f}x to {batches[i]}" for i in range(at + 1, len(rows)))
     context = max(rows[-1]["prompt_lengths"]) + data["new_tokens"] // 2
     flops = forward_flops(SMOLLM2_135M, 1, context)  # per token (row) of a decode step
-    read_gb_s = weight_bytes(SMOLLM2_135M) / (step_ms[0] / 1000) / 1e9
+    weights = weight_bytes(SMOLLM2_135M)
+    read_gb_s = weights / (step_ms[0] / 1000) / 1e9
     sustained = batches[-1] * flops / (step_ms[-1] / 1000)
     balance = (step_ms[0] / 1000) / (flops / sustained)
     if linear == batches[0]:
@@ -165,7 +165,7 @@ def _batch_balance(data: dict) -> str:
     return md.paragraph(
         f"In the decode phase alone throughput {growth}, while each row's step takes {step_ms[at]:.0f} ms at batch "
         f"{linear} and {step_ms[-1]:.0f} ms at batch {batches[-1]}. The batch-{batches[0]} step reads the weights at "
-        f"an effective {read_gb_s:.1f} GB/s ({weight_bytes(SMOLLM2_135M) / 1e6:.0f} MB in {step_ms[0]:.1f} ms) and "
+        f"an effective {read_gb_s:.1f} GB/s ({weights / 1e6:.0f} MB in {step_ms[0]:.1f} ms) and "
         f"does {flops / 1e9:.2f} GFLOP per row; batch {batches[-1]} sustains {sustained / 1e9:.0f} GFLOP/s "
         f"({batches[-1] * flops / 1e9:.1f} GFLOP in {step_ms[-1]:.0f} ms), so a step's arithmetic takes as long as "
         f"its weight reading at about {balance:.0f} rows. Below that, extra rows are nearly free; beyond it, the step "
