@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive", "flash"),
                    help="attention kernel (lesson 16): 'sdpa' (PyTorch's, default), 'naive' (the full score "
                         "matrix, memory grows with the square of the length) or 'flash' (tiled, online softmax); "
-                        "same tokens")
+                        "same tokens; naive and flash run eager PyTorch (a compiled graph writes its own attention)")
     add_quant_flag(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -207,6 +207,9 @@ def check_flag_combinations(args) -> None:
                 raise ValueError(f"{flag} applies to --speculative lookahead only")
         if args.num_draft_tokens is not None:
             check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
+    if args.compile and args.attention != "sdpa":
+        raise ValueError(f"--attention {args.attention} picks an eager kernel, and a compiled graph writes its own "
+                         "attention (lesson 15): drop --compile or --attention")
     if args.compile and (args.num_beams > 1 or args.cache != "static"):
         raise ValueError("--compile applies to plain and speculative generation over the static cache: drop "
                          "--num-beams or --cache")
@@ -309,7 +312,8 @@ def run(args) -> int:
     if not args.slide:
         check_rows_fit_context(rows, args, model.config.context_length)
     stream = not args.json and len(rows) == 1 and beam is None
-    compile = True if args.compile else False if args.eager else None  # None: the kept graphs if built
+    # None: the kept graphs if built (and the default attention: another kernel runs only eagerly)
+    compile = True if args.compile else False if args.eager else None
     if beam is not None:  # every prompt in one search; beams do not stream (they change until the end)
         from .strategies.beam import beam_search
 

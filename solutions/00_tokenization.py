@@ -6,27 +6,32 @@ from collections import Counter
 from collections.abc import Collection
 
 
-def merge_step(words: dict[tuple[bytes, ...], int]) -> tuple[tuple[bytes, bytes], dict[tuple[bytes, ...], int]] | None:
-    """Exercise 1: One merge step"""
-    counts = Counter()  # insertion order = the order pairs are first seen
-    for word, n in words.items():
-        for pair in zip(word, word[1:]):
-            counts[pair] += n
-    if not counts:
-        return None
-    pair = max(counts, key=counts.get)  # max keeps the first of equal counts: the pair seen first
+def merge_and_recount(words: dict[tuple[bytes, ...], int], counts: Counter,
+                      pair: tuple[bytes, bytes]) -> tuple[dict[tuple[bytes, ...], int], Counter]:
+    """Exercise 1: Merge one pair, recount only what changed"""
+    counts = Counter(counts)  # a copy: the caller's counts stay as they were
     merged = {}
     for word, n in words.items():
-        parts, i = [], 0
-        while i < len(word):
-            if word[i:i + 2] == pair:  # a tuple slice: the two parts at i and i + 1
-                parts.append(pair[0] + pair[1])
-                i += 2  # skip both: (a, a, a) -> (aa, a), never (a, aa)
-            else:
-                parts.append(word[i])
-                i += 1
-        merged[tuple(parts)] = n
-    return pair, merged
+        if pair in zip(word, word[1:]):  # only these words' pairs change
+            for old in zip(word, word[1:]):
+                counts[old] -= n
+            parts, i = [], 0
+            while i < len(word):
+                if word[i:i + 2] == pair:  # a tuple slice: the two parts at i and i + 1
+                    parts.append(pair[0] + pair[1])
+                    i += 2  # skip both: (a, a, a) -> (aa, a), never (a, aa)
+                else:
+                    parts.append(word[i])
+                    i += 1
+            word = tuple(parts)
+            for new in zip(word, word[1:]):
+                counts[new] += n
+        merged[word] = n  # two words never merge into one: different keys spell different bytes
+    # A merge takes away as many pairs as it adds only where the pair was; the rest of the corpus was
+    # never read again. On a real corpus most words hold none of the pair being merged, which is why
+    # trainers (Hugging Face tokenizers, minbpe's fast version) keep counts this way and index which
+    # words hold each pair, so that even finding them is not a scan.
+    return merged, +counts  # unary plus drops the pairs whose count fell to zero
 
 
 def predict_merges() -> dict:

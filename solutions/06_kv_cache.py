@@ -8,12 +8,23 @@ from minillm.cache.kv_cache import KVCache
 
 
 def kv_cache_bytes(config, batch: int, max_len: int, dtype: torch.dtype) -> int:
-    """Exercise 1: Cache bytes for any model"""
+    """Exercise 1: When the cache outgrows the weights"""
     # Per token, per layer, per row: one key and one value vector for each KV head (not each query head:
     # with grouped-query attention several query heads share one KV head, which is what GQA saves).
     element = torch.empty((), dtype=dtype).element_size()
     per_token_per_layer = 2 * config.kv_heads * config.head_size * element
     return config.n_layer * batch * max_len * per_token_per_layer
+
+
+def outgrows_weights(config, weight_bytes: int, batch: int, dtype: torch.dtype) -> int | None:
+    """Exercise 1: When the cache outgrows the weights"""
+    per_token = kv_cache_bytes(config, batch, 1, dtype)  # the cache grows by the same bytes every token
+    length = -(-weight_bytes // per_token)  # ceil: the first length whose cache holds at least the weights
+    # SmolLM2-135M in FP32 stores 46,080 bytes per token and row, so its 538 MB of weights take about 11,700 tokens at
+    # batch 1: beyond its 8192-token context, the weights dominate every step. At batch 8 it is 1,460 tokens, and
+    # from there a decode step reads more cache than weights (lessons 07 and 12: why a server's batches are
+    # memory-hungry, and why GQA's 3 KV heads instead of 9 matter).
+    return length if length <= config.context_length else None
 
 
 class SlidingWindowCache(KVCache):

@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from minillm.model.attention import set_attention_backend
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.runner import ModelRunner
 from minillm.speed import graph_store
+from minillm.speed.attention_kernels import make_backend
 from minillm.speed.compile import compile_model
 from minillm.speed.graph_store import StepShape
 from minillm.strategies.generate import generate
@@ -69,6 +71,12 @@ def test_the_default_uses_a_built_graph_and_only_then(built):
     one_row = generate(model, PROMPTS[:1], max_new_tokens=12)  # no graph for one row was built
     assert one_row.stats.extra["graph"] == "eager"
     assert ModelRunner(model, cache="dynamic", graph="auto").graph == "eager"
+    set_attention_backend(model, make_backend("flash"))  # asked for by name: the graph writes its own attention
+    try:
+        flash = generate(model, PROMPTS, max_new_tokens=12)
+        assert flash.stats.extra["graph"] == "eager" and flash.token_ids == eager.token_ids
+    finally:
+        set_attention_backend(model, make_backend("sdpa"))
 
 
 @pytest.mark.slow
@@ -122,9 +130,11 @@ def test_the_key_follows_weights_shape_and_settings():
 
 BUILDER = """
 import json, sys, torch
+from minillm.model.attention import set_attention_backend
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession
 from minillm.speed.compile import compile_model
+from minillm.speed.attention_kernels import make_backend
 from minillm.speed.graph_store import StepShape
 _, model = tiny_pair("llama", context_length=256)
 compiled = compile_model(model, autotune=False, kept=True)
@@ -167,6 +177,8 @@ def test_the_command_lines_explain_and_check_the_graph_flags(capsys):
                                 timeout=120, cwd=REPO).stdout
     assert "--eager" in infer_help and "python -m minillm.compile" in infer_help
     assert infer_main(["--prompt", "hi", "--compile", "--eager"]) == 2
+    assert infer_main(["--prompt", "hi", "--compile", "--attention", "flash"]) == 2
+    assert "--attention flash picks an eager kernel" in capsys.readouterr().err
     assert compile_main(["--batch-size", "0"]) == 2
     assert "--batch-size 0 is invalid" in capsys.readouterr().err
 

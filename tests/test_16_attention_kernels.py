@@ -357,7 +357,7 @@ def test_report_and_plot_from_a_synthetic_result(tmp_path):
     data = synthetic_result()
     text = attention_section("Attention kernels", data, {"png": "a.png", "json": "a.json"})
     assert "| naive ms | 25.6 | 51.2 |" in text and "| naive peak MiB | 6.6 | 26.2 |" in text
-    assert "naive attention's peak memory grows 4x" in text and "64 was fastest (2.2 ms)" in text
+    assert "naive attention's peak memory grows 4x" in text and "64 was fastest (2.2 ms in the sweep's" in text
     assert "naive takes 2.00x flash's time and 4.00x SDPA's" in text
     bench.plot(data, tmp_path / "attention.png")
     assert (tmp_path / "attention.png").stat().st_size > 10_000

@@ -3,13 +3,16 @@
 The counts are checked exactly against independent computations (the model's own
 `num_weight_bytes`, the dispatcher's op count, an enumeration of acceptance patterns). The
 predictions are checked against the stored, stamped measurements in results/*.json (nothing
-is timed here), each within the band lesson 05 states, with the reason for each miss there.
+is timed here), each within the band its lesson states (`minillm.bench.predictions`, the
+table each speed-up notebook shows), with the reason for each gap there.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -27,8 +30,8 @@ from minillm.bench.cost import (
     predict,
     results_machine,
     weight_bytes,
-    with_bytes,
 )
+from minillm.bench.predictions import LESSONS, comparisons, other_machine
 from minillm.cache.kv_cache import StaticCache
 from minillm.model.tiny import TINY_KINDS, tiny_pair
 from minillm.strategies.acceptance import expected_tokens_per_round
@@ -107,84 +110,70 @@ def test_predict_is_the_roofline_plus_overhead():
     assert predict(Step(weight_bytes=1, flops=1000, ops=0), machine) == 10.0  # compute-bound
 
 
-# --- Predictions beside the stored measurements, within the bands lesson 05 states. ----------------------------------
+# --- Predictions beside the stored measurements, within the bands each lesson states. -------------------------------
 
-@pytest.fixture(scope="module")
-def machine():
-    return results_machine(stored("decode"), stored("cost"))
-
-
-def test_no_cache_steps_are_compute_bound_and_predicted_within_25_percent(machine):
-    """Lesson 06: without a cache a step recomputes every position; the prediction is its flops at peak."""
-    for row in stored("cache-scaling")["rows"]:
-        predicted = predict(decode_step(SMOLLM2_135M, context=row["length"], cache="none"), machine) * 1e3
-        assert 0.8 <= row["no cache"] / predicted <= 1.25, (row["length"], predicted, row["no cache"])
-
-
-def test_eager_cached_steps_take_two_to_three_times_the_prediction(machine):
-    """Lesson 06: the eager batch-1 step is memory-bound, but its library matrix-vector kernels stream the weights
-    well below the probe's bandwidth: measured 1.8-2.8x the predicted time, and the cache's gain shrinks alike."""
-    for row in stored("cache-scaling")["rows"]:
-        cached = predict(decode_step(SMOLLM2_135M, context=row["length"]), machine) * 1e3
-        uncached = predict(decode_step(SMOLLM2_135M, context=row["length"], cache="none"), machine) * 1e3
-        assert 1.8 <= row["static cache"] / cached <= 2.8, (row["length"], cached, row["static cache"])
-        gain = row["no cache"] / row["static cache"]
-        assert 0.3 <= gain / (uncached / cached) <= 0.6
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_each_lesson_measures_within_the_band_it_states(lesson):
+    """Each speed-up lesson's prediction beside results/ (`minillm.bench.predictions`, the table its notebook shows):
+    measured / predicted lies in the band the lesson states, with the reason for the gap beside it."""
+    if why := other_machine(lesson):
+        pytest.skip(why)  # a suite awaiting its re-run (tests/test_lessons.py's AWAITING_RERUN lists them)
+    rows = comparisons(lesson)
+    assert rows, f"lesson {lesson} compares nothing"
+    assert [(row.what, round(row.ratio, 2), row.band) for row in rows if not row.within] == []
 
 
-def test_batching_throughput_lies_within_its_band(machine):
-    """Lesson 07: throughput grows with the batch until the step turns compute-bound; eager reaches 35-75%."""
-    for row in stored("batch")["rows"]:
-        step = decode_step(SMOLLM2_135M, batch=row["batch"], context=80)
-        predicted = step.tokens / predict(step, machine)
-        assert 0.35 <= row["minillm"]["decode_per_second"] / predicted <= 0.75, (row["batch"], predicted)
+def test_a_measurement_outside_its_band_is_named(tmp_path):
+    """The band test can fail: a cached step measured 4x slower than stored falls outside lesson 06's band."""
+    for path in RESULTS.glob("*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    data = stored("cache-scaling")
+    data["rows"][0]["static cache"] *= 4
+    (tmp_path / "cache-scaling.json").write_text(json.dumps(data))
+    outside = [row.what for row in comparisons("06", tmp_path) if not row.within]
+    assert f"cached step at {data['rows'][0]['length']}" in outside
 
 
-def test_verifying_k_drafted_tokens_costs_about_one_step(machine):
-    """Lesson 08: a (k+1)-token forward reads the weights once, so it costs about one step (within 35%)."""
-    data = stored("speculative")
-    context = 200
-    one = predict(decode_step(SMOLLM2_135M, context=context), machine)
-    for k, measured in data["verify_cost"].items():
-        predicted = predict(decode_step(SMOLLM2_135M, context=context, tokens_per_row=int(k) + 1), machine) / one
-        assert 1 / 1.35 <= measured / predicted <= 1.35, (k, predicted, measured)
+def test_the_rows_are_the_cost_model_applied_to_the_stored_runs():
+    """Spot checks against the formulas: lesson 06's no-cache row is `predict` of a no-cache step on the results'
+    machine, and lesson 08's verify rows divide a (k+1)-token step by a one-token step."""
+    machine = results_machine(stored("decode"), stored("cost"))
+    length = stored("cache-scaling")["rows"][0]["length"]
+    row = next(r for r in comparisons("06") if r.what == f"no cache at {length}")
+    assert row.predicted == pytest.approx(predict(decode_step(SMOLLM2_135M, context=length, cache="none"),
+                                                  machine) * 1e3)
+    verify = next(r for r in comparisons("08") if r.what.startswith("verify 5 tokens"))
+    assert verify.predicted == pytest.approx(predict(decode_step(SMOLLM2_135M, context=200, tokens_per_row=5), machine)
+                                             / predict(decode_step(SMOLLM2_135M, context=200), machine))
+    assert verify.measured == stored("speculative")["verify_cost"]["4"]
 
 
-def test_prompt_lookup_accepts_in_runs_so_it_beats_the_independent_formula():
-    """Lesson 08: E assumes independent acceptances; a copied span is accepted whole, so measured tokens per forward
-    are at least E of the measured acceptance rate wherever drafts are mostly accepted (k >= 2)."""
+def test_no_round_keeps_more_than_its_draft_says():
+    """Lesson 08's accounting: a round keeps its accepted drafts and one token of the target's, so tokens per forward
+    are at most 1 + k · share (equal when every round drafts k: prompt lookup drafts fewer, or nothing, when its
+    n-gram runs out), and with k = 1 a drafted round keeps 1 + a on average: mostly-accepted runs sit at the bound."""
     for task in stored("speculative")["tasks"].values():
-        for k, row in task["contenders"]["minillm prompt-lookup"].items():
-            formula = expected_tokens_per_round(row["acceptance_rate"], int(k))
-            if row["acceptance_rate"] < 0.5:  # prompt lookup drafts nothing when no n-gram matches
-                continue
-            if int(k) == 1:  # one draft: E = 1 + α whatever the correlation (the last round may be cut short)
-                assert row["tokens_per_target_forward"] == pytest.approx(formula, rel=0.02)
-            else:
-                assert row["tokens_per_target_forward"] >= formula
+        for name, by_k in task["contenders"].items():
+            for k, row in by_k.items() if name.startswith("minillm ") else ():
+                if row["acceptance_rate"] == row["acceptance_rate"]:  # NaN: nothing was drafted
+                    assert row["tokens_per_target_forward"] <= 1 + int(k) * row["acceptance_rate"] + 1e-9, (name, k)
+        one = task["contenders"]["minillm prompt-lookup"]["1"]
+        if one["acceptance_rate"] >= 0.5:
+            assert one["tokens_per_target_forward"] == pytest.approx(
+                expected_tokens_per_round(one["acceptance_rate"], 1), rel=0.02)
 
 
-def test_compiled_steps_run_at_65_to_100_percent_of_the_prediction():
-    """Lessons 14-15: a compiled graph streams the weights near the probe's bandwidth and calls few kernels."""
-    compile_data, quant = stored("compile"), stored("quant")
-    fp32 = compile_data["results"]["float32"]
-    machine = results_machine(stored("decode"), stored("cost"), fp32["memory_bandwidth_gb_s"])
-    predicted = predict(decode_step(SMOLLM2_135M, context=192, graph="compiled"), machine)
-    assert 0.65 <= predicted / (fp32["contenders"]["minillm compiled"]["ms_per_token"] / 1e3) <= 1.0
-    machine = results_machine(stored("decode"), stored("cost"), quant["memory_bandwidth_gb_s"])
-    int8 = with_bytes(decode_step(SMOLLM2_135M, context=192, graph="compiled"),
-                      quant["accuracy"]["int8"]["weight_bytes_per_token"])
-    measured = quant["decode"]["1"]["int8, compiled"]["tokens_per_second"]
-    assert 0.65 <= measured * predict(int8, machine) <= 1.0
-
-
-def test_four_bit_weights_pay_less_than_their_bytes_say():
-    """Lesson 14: Q4_1 reads 0.70x int8's bytes, but unpacking 4-bit blocks costs arithmetic the roofline does not
-    count: compiled, it runs at 0.4-0.6 of its prediction (int8 at 0.65-1)."""
-    quant = stored("quant")
-    machine = results_machine(stored("decode"), stored("cost"), quant["memory_bandwidth_gb_s"])
-    for name in ("GGUF Q4_1 (int8 head)", "GGUF Q4_1 (int4 head)"):
-        step = with_bytes(decode_step(SMOLLM2_135M, context=192, graph="compiled"),
-                          quant["accuracy"][name]["weight_bytes_per_token"])
-        measured = quant["decode"]["1"][f"{name}, compiled"]["tokens_per_second"]
-        assert 0.4 <= measured * predict(step, machine) <= 0.6, name
+def test_lesson_05_states_the_bands_the_lessons_are_checked_against():
+    """Lesson 05's table of bands is typed prose: it must say exactly the bands `minillm.bench.predictions` checks."""
+    readme = (Path(__file__).resolve().parent.parent / "lessons" / "05-precision" / "README.md").read_text()
+    stated = set()
+    for lesson, claim in re.findall(r"^\| (\d\d) \| [^|]+ \| ([^|]+) \|$", readme, flags=re.M):
+        if span := re.match(r"(\d+(?:\.\d+)?)-(\d+(?:\.\d+)?)", claim):
+            stated.add((lesson, (float(span[1]), float(span[2]))))
+        elif within := re.match(r"within (\d+)%", claim):
+            stated.add((lesson, (1 / (1 + int(within[1]) / 100), 1 + int(within[1]) / 100)))
+        elif claim.startswith("at least E"):
+            stated.add((lesson, (1.0, math.inf)))
+    checked = {(lesson, row.band) for lesson in LESSONS for row in comparisons(lesson)}
+    assert {(lesson, tuple(round(b, 4) for b in band)) for lesson, band in checked} == \
+        {(lesson, tuple(round(b, 4) for b in band)) for lesson, band in stated}

@@ -11,19 +11,22 @@ from collections import Counter  # noqa: F401
 from collections.abc import Collection
 
 
-def merge_step(words: dict[tuple[bytes, ...], int]) -> tuple[tuple[bytes, bytes], dict[tuple[bytes, ...], int]] | None:
-    """Exercise 1: One merge step
+def merge_and_recount(words: dict[tuple[bytes, ...], int], counts: Counter,
+                      pair: tuple[bytes, bytes]) -> tuple[dict[tuple[bytes, ...], int], Counter]:
+    """Exercise 1: Merge one pair, recount only what changed
 
-    One step of BPE training, written without minillm.model.bpe.
+    The notebook's `train` recounts every pair of the corpus after every merge. Real trainers count
+    once, then for each merge touch only the words that contain the merged pair: take away such a
+    word's pairs (times its count), merge, add the new word's pairs. Written without minillm.model.bpe.
 
-    words: each pre-token of the corpus as a tuple of its current parts -> how often it occurs; the
-      dict lists words in the order they first occur in the corpus. At the start every part is one
-      byte: {(b"h", b"u", b"g"): 3, (b" ", b"p", b"u", b"g"): 2, ...}.
-    Count every adjacent pair of parts, each word's pairs counted as often as the word occurs. Pick
-    the most frequent pair; on a tie, the pair seen first (words in dict order, each left to right).
-    Merge every occurrence of it in every word, left to right without overlap: (a, a, a) with the
-    pair (a, a) becomes (aa, a).
-    Returns (the pair, the new words dict in the same order), or None if no word has two parts.
+    words: each pre-token of the corpus as a tuple of its current parts -> how often it occurs, e.g.
+      {(b"h", b"u", b"g"): 3, (b" ", b"p", b"u", b"g"): 2, ...}.
+    counts: every adjacent pair of parts -> how often it occurs over `words` (each word's pairs
+      counted as often as the word occurs); a Counter without zero entries.
+    pair: the pair to merge. Merge every occurrence of it in every word, left to right without
+      overlap: (a, a, a) with the pair (a, a) becomes (aa, a).
+    Returns (the new words dict, in the same order; the new counts, without zero entries), the counts
+    updated from the words that contained the pair only.
     """
     raise NotImplementedError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import regex
@@ -23,26 +24,33 @@ def words_of(text: str) -> dict[tuple[bytes, ...], int]:
     return counts
 
 
-def test_exercise_1_merge_step_by_hand(answers):
-    words = {(b"a", b"a", b"a", b"b", b"d", b"a", b"a", b"a", b"b", b"a", b"c"): 1}
-    pair, words = answers.merge_step(words)
-    assert pair == (b"a", b"a")
-    assert list(words) == [(b"aa", b"a", b"b", b"d", b"aa", b"a", b"b", b"a", b"c")]  # (a, a, a) -> (aa, a)
-    assert answers.merge_step({(b"x",): 3, (b"yz",): 1}) is None
+def full_count(words: dict[tuple[bytes, ...], int]) -> Counter:
+    """Every adjacent pair over the corpus, recounted from scratch: what an update must equal."""
+    counts = Counter()
+    for word, n in words.items():
+        for pair in zip(word, word[1:]):
+            counts[pair] += n
+    return counts
 
 
-def test_exercise_1_counts_weigh_each_word(answers):
-    """A pair in a word that occurs often beats a pair that is repeated inside one rare word."""
-    pair, words = answers.merge_step({(b"a", b"b", b"a", b"b", b"a", b"b"): 1, (b"c", b"d"): 4})
-    assert pair == (b"c", b"d") and words == {(b"a", b"b", b"a", b"b", b"a", b"b"): 1, (b"cd",): 4}
+def test_exercise_1_merge_and_recount_by_hand(answers):
+    words = {(b"a", b"a", b"a", b"b", b"d", b"a", b"a", b"a", b"b", b"a", b"c"): 1, (b"x", b"y"): 2}
+    counts = full_count(words)
+    merged, updated = answers.merge_and_recount(words, counts, (b"a", b"a"))
+    assert list(merged) == [(b"aa", b"a", b"b", b"d", b"aa", b"a", b"b", b"a", b"c"), (b"x", b"y")]  # not (a, aa)
+    assert dict(updated) == dict(full_count(merged)) and (b"a", b"a") not in updated  # no zero entries left
+    assert counts == full_count(words)  # the caller's counts are not changed in place
 
 
-def test_exercise_1_repeated_steps_train_like_minillm(answers):
+def test_exercise_1_sixty_merges_keep_the_counts_exact(answers):
+    """Following train_bpe's merges on a paragraph, the updated counts equal a full recount after every merge."""
     words = words_of(CORPUS)
+    counts = full_count(words)
     _, history = train_bpe(CORPUS, 60)
-    for expected_pair, _ in history:
-        pair, words = answers.merge_step(words)
-        assert pair == expected_pair
+    for pair, count in history:
+        assert counts[pair] == count == max(counts.values())  # the counts say what train_bpe picked, and why
+        words, counts = answers.merge_and_recount(words, counts, pair)
+        assert dict(counts) == dict(full_count(words)), pair
     assert sum(words.values()) == len(regex.findall(GPT2_PATTERN, CORPUS))  # every word kept, with its count
 
 

@@ -20,7 +20,7 @@ def gpt2_logits(state: dict[str, torch.Tensor], config: ModelConfig, tokens: tor
 
     The notebook builds a Llama block by hand; write the whole GPT-2 forward the same way, from the
     weight tensors alone (plain tensor ops: matmuls, softmax; no minillm or transformers modules).
-    GPT-2 differs from Llama in three places: a learned position embedding added to the token
+    GPT-2 differs from Llama mainly in three places: a learned position embedding added to the token
     embedding (no RoPE), LayerNorm with a bias, (x - mean) / sqrt(var + eps) * weight + bias with
     the biased variance, and an MLP proj(gelu(fc(x))) with GELU's tanh approximation
     0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Every linear layer has a bias; heads are plain

@@ -13,12 +13,24 @@ from minillm.cache.kv_cache import KVCache  # noqa: F401  (exercises 2 and 3 sub
 
 
 def kv_cache_bytes(config, batch: int, max_len: int, dtype: torch.dtype) -> int:
-    """Exercise 1: Cache bytes for any model
+    """Exercise 1: When the cache outgrows the weights
 
     config: a `minillm.model.transformer.ModelConfig` (GPT-2, Llama, Qwen2, SmolLM2, ... any of them).
     Return how many bytes a KV cache for `batch` rows of `max_len` tokens stores in `dtype`:
     keys and values of every layer (use `config.kv_heads` and `config.head_size`, which resolve
     the None defaults). The check compares it with what `StaticCache.for_model` really allocates.
+    """
+    raise NotImplementedError
+
+
+def outgrows_weights(config, weight_bytes: int, batch: int, dtype: torch.dtype) -> int | None:
+    """Exercise 1: When the cache outgrows the weights
+
+    Use `kv_cache_bytes` to predict when the cache, not the weights, is most of what a decode step
+    reads: the shortest length (tokens per row) at which a cache of `batch` rows stores at least
+    `weight_bytes`, or None when that length is beyond `config.context_length` (the cache never
+    outgrows the weights for this model at this batch). Before running anything, predict it on paper
+    for SmolLM2-135M in FP32 (538 MB of weights) at batch 1 and at batch 8.
     """
     raise NotImplementedError
 

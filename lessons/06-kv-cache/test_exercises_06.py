@@ -33,6 +33,30 @@ def test_exercise_1_cache_bytes_for_any_model(answers, name, dtype):
         assert answers.kv_cache_bytes(config, batch, max_len, dtype) == expected, (batch, max_len)
 
 
+def cache_bytes_allocated(config, batch: int, max_len: int, dtype) -> int:
+    """What `StaticCache.for_model` allocates, on the meta device (shapes and sizes, no memory)."""
+    fake_model = SimpleNamespace(config=config, dtype=dtype, device="meta")
+    allocated = StaticCache.for_model(fake_model, batch=batch, max_len=max_len)
+    return allocated.k.nbytes + allocated.v.nbytes
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_exercise_1_when_the_cache_outgrows_the_weights(answers, name):
+    """Against a search over the real allocation: the first length whose cache holds the weights, or None."""
+    config = CONFIGS[name]
+    for weight_bytes in (10**6, 538_000_000, 3 * 10**9):
+        for batch in (1, 8, 64):
+            for dtype in (torch.float32, torch.bfloat16):
+                low, high = 1, config.context_length + 1  # the answer lies in [low, high]; high: never
+                while low < high:
+                    mid = (low + high) // 2
+                    low, high = (low, mid) if cache_bytes_allocated(config, batch, mid, dtype) >= weight_bytes \
+                        else (mid + 1, high)
+                expected = None if low > config.context_length else low
+                assert answers.outgrows_weights(config, weight_bytes, batch, dtype) == expected, \
+                    (weight_bytes, batch, dtype)
+
+
 def banded_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     """Brute force: every step forwards the whole sequence; query t sees keys t - context_length + 1 .. t."""
     window, seq = model.config.context_length, list(prompt)
@@ -47,7 +71,7 @@ def banded_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("kind,context_length,prompt_len,new_tokens", [
-    ("llama", 16, 10, 40),   # slides 34 times, positions up to 49
+    ("llama", 16, 10, 40),   # slides 33 times, positions up to 48
     ("qwen2", 8, 5, 40),     # a tiny window: nearly every token slides
 ])
 def test_exercise_2_rope_sliding_without_re_prefill(answers, kind, context_length, prompt_len, new_tokens):

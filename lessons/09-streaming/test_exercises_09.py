@@ -150,6 +150,7 @@ def test_exercise_3_latency_streamer_with_generate(answers, tiny_with_gpt2_token
     assert streamer.pieces == nonempty and "".join(streamer.pieces) == out.texts[0]
     assert len(streamer.gaps) == len(nonempty) - 1 and all(gap > 0 for gap in streamer.gaps)
     assert streamer.time_to_first_text > 0
+    assert len(calls) == 1 + len(nonempty)  # one reading when created, one per non-empty piece: empty ones are free
 
 
 class _Both:

@@ -85,6 +85,7 @@ def int4_error_bounds(weight: torch.Tensor, group_size: int, x: torch.Tensor) ->
 
     The check quantizes with the package (`minillm.speed.quant.quantize_int4_groupwise`, then `dequantize_int4`):
     no error exceeds your bounds, the weight bound is reached (nearly, by some weight of a large matrix), and the
-    output bound is reached exactly by the worst input for each output (x = ± the sign of each weight's error).
+    output bound is reached within 10% by the worst input for each output (x = ± the sign of each weight's error)
+    on weights placed half a step between two levels.
     """
     raise NotImplementedError

@@ -27,7 +27,7 @@ from ..decoding.sampling import SamplingConfig
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from .batch import TEXT
-from .common import alternate, finish_figure, median, plot_title, spread_band, synchronize
+from .common import alternate, finish_figure, measure_memory_bandwidth, median, plot_title, spread_band, synchronize
 
 CONTENDERS = {"static": "static cache", "dynamic": "dynamic cache", "none": "no cache"}
 
@@ -67,6 +67,9 @@ def run(args) -> dict:
     ids = tokenizer.encode(TEXT * (1 + max(lengths) // 64))
     if len(ids) < max(lengths):
         raise ValueError(f"the benchmark text has only {len(ids)} tokens; need {max(lengths)}")
+    # Probed in this run: the cost model's prediction for these steps (lesson 06) reads at this bandwidth, and on
+    # a shared machine the bandwidth of another run (the decode suite's) may differ by a third.
+    bandwidth = measure_memory_bandwidth(device=args.device)
     rows = []
     with torch.inference_mode():
         for L in tqdm(lengths, desc="cache-scaling", unit="length"):
@@ -75,8 +78,8 @@ def run(args) -> dict:
                          "ms_per_repeat": {name: [1000 * s for s in t] for name, t in times.items()}})
             tqdm.write(f"L={L:5d}: " + ", ".join(f"{n} {rows[-1][n]:.1f} ms" for n in times))
     first, last = rows[0], rows[-1]
-    return {"model": args.model, "quick": args.quick, "dtype": "float32", "repeats": repeats, "unit": "ms per generated token",
-            "rows": rows,
+    return {"model": args.model, "quick": args.quick, "dtype": "float32", "repeats": repeats,
+            "unit": "ms per generated token", "memory_bandwidth_gb_s": bandwidth / 1e9, "rows": rows,
             "growth": {name: last[name] / first[name] for name in ("static cache", "dynamic cache", "no cache")}}
 
 

@@ -46,16 +46,17 @@ def _serving_bullets(data: dict) -> str:
                   f"{c['ttft']['p50']:.2f} s against {static['ttft']['p50']:.2f} s."),
         md.bullet(f"KV memory, what paging saves (the run without the prefix cache): "
                   f"{md.percent(no_cache['paged_used_share'])} of the slots in the blocks handed out hold keys; "
-                  f"reserving each request's maximum length contiguously, only "
+                  "reserving each request's exact final length contiguously (an oracle, the best case for "
+                  "contiguous allocation; a server that reserves `max_tokens` does worse), only "
                   f"{md.percent(no_cache['contiguous_used_share'])} would (means over the steps). A request takes a "
                   "block only when its last one is full, so paging saves the reserved tail that is never written."),
         md.bullet(f"KV memory, what prefix caching saves: the requests share one copy of the system prompt's "
-                  f"{workload['system_prompt_tokens'] // block_size} full blocks. With it the pool peaked at "
-                  f"{c['paged_peak_slots']} slots; without it the same requests "
-                  + (f"filled the whole pool ({no_cache['pool_slots']} slots) and were preempted "
-                     f"{no_cache['preemptions']} times" if no_cache["paged_peak_slots"] >= no_cache["pool_slots"]
+                  f"{workload['system_prompt_tokens'] // block_size} full blocks. At the peak, contiguous reservation "
+                  f"(neither paging nor sharing) would take {c['contiguous_peak_slots']} slots; paging alone "
+                  + (f"still filled the whole {no_cache['pool_slots']}-slot pool ({no_cache['preemptions']} "
+                     "preemptions)" if no_cache["paged_peak_slots"] >= no_cache["pool_slots"]
                      else f"peaked at {no_cache['paged_peak_slots']} slots")
-                  + f"; reserving contiguously would take {c['contiguous_peak_slots']}. It served "
+                  + f"; with sharing the pool peaked at {c['paged_peak_slots']} slots. The prefix cache served "
                   f"{md.percent(c['prefix_hit_rate'])} of the prompt tokens from blocks already computed; without it "
                   f"the same run gives {no_cache['tokens_per_second']:.1f} tok/s instead of "
                   f"{c['tokens_per_second']:.1f}."),
@@ -82,8 +83,9 @@ def attention_section(title: str, data: dict, links: dict) -> str:
             f"flash computes {md.percent(cost['flash']['flops'] / cost['naive']['flops'])} of naive's FLOPs (it skips "
             f"the tiles above the diagonal) and moves {md.percent(cost['flash']['bytes'] / cost['naive']['bytes'])} of "
             f"its bytes. Among flash tiles of {md.span([entry['tile'] for entry in sweep['tiles']], digits=0)} at "
-            f"{sweep['length']} tokens, {best['tile']} was fastest ({md.milliseconds(best['ms'])} ms). Every output "
-            f"was within {error:.0e} of SDPA's.")
+            f"{sweep['length']} tokens, {best['tile']} was fastest ({md.milliseconds(best['ms'])} ms in the sweep's "
+            f"own run: the same setting timed in separate runs on this shared machine can differ by half). Every "
+            f"output was within {error:.0e} of SDPA's.")
     return "\n\n".join([
         md.heading(title, links,
                    f"one causal prefill through one attention layer of {model_label(data['model'])}'s shape "

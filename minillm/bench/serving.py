@@ -24,8 +24,10 @@ arrival to the last finish), request throughput, and per-request time to first t
 (TTFT), time per output token after the first (TPOT), inter-token latency (ITL) and
 end-to-end latency, as p50 and p99; goodput, the requests per second that meet a
 latency objective. From the continuous runs: KV memory holding keys against what the
-paged pool set aside and against what reserving each request's maximum length
-contiguously would take, and the share of prompt tokens the prefix cache served.
+paged pool set aside and against what reserving each request's exact final length
+contiguously would take (an oracle, the best case for contiguous allocation: EOS is
+ignored, so `max_new_tokens` is each request's true length), and the share of prompt
+tokens the prefix cache served.
 
     python -m minillm.bench serving            # 2 request rates + everything at once, 40 requests each
     python -m minillm.bench serving --quick    # 1 rate + everything at once, 8 short requests

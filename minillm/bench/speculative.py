@@ -52,32 +52,48 @@ TASKS = {
 DRAFTS = ("dtype:bfloat16", "layers:24")  # the target's own weights: in BF16, or its first 24 of 30 blocks
 
 
-@torch.inference_mode()
-def forward_seconds(model, n_tokens: int, context: int, repeats: int = 5) -> float:
-    """Median time of one cached forward over `n_tokens` new tokens after `context` cached ones, through the model
-    runner's verify step (what speculative decoding runs)."""
+def forward_timer(model, n_tokens: int, context: int):
+    """A no-argument function that runs one cached forward over `n_tokens` new tokens after `context` cached ones,
+    through the model runner's verify step (what speculative decoding runs), and returns its seconds."""
     vocab = model.config.vocab_size
     runner = ModelRunner(model, max_len=context + n_tokens)
     seq = Sequence.create(torch.randint(0, vocab, (context,)).tolist(), SamplingConfig(max_new_tokens=n_tokens + 1),
                           vocab_size=vocab)
-    runner.prefill([seq])
+    with torch.inference_mode():
+        runner.prefill([seq])
     seq.append(int(torch.randint(0, vocab, ())))  # the token each round feeds first, then the draft after it
     draft = torch.randint(0, vocab, (n_tokens - 1,)).tolist()
-    times = []
-    for _ in range(repeats + 1):
+
+    @torch.inference_mode()
+    def forward() -> float:
         start = time.perf_counter()
         runner.verify([seq], [draft])  # [1, n_tokens, V]
-        times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
         runner.rollback([seq])  # the cache holds the context again
-    return median(times[1:])
+        return elapsed
+    return forward
 
 
-def cost_ratios(target, drafts: dict, ks, context: int) -> tuple[dict, dict]:
-    """verify_cost[k]: a (k+1)-token target forward in one-token forwards; draft_cost[name]: c."""
-    one = forward_seconds(target, 1, context)
-    verify = {k: forward_seconds(target, k + 1, context) / one for k in ks}
-    draft_cost = {name: forward_seconds(model, 1, context) / one for name, model in drafts.items()}
-    return verify, draft_cost
+def forward_seconds(model, n_tokens: int, context: int, repeats: int = 5) -> float:
+    """Median time of one such forward (`forward_timer`), after one untimed warm-up."""
+    forward = forward_timer(model, n_tokens, context)
+    return median([forward() for _ in range(repeats + 1)][1:])
+
+
+def cost_ratios(target, drafts: dict, ks, context: int, repeats: int = 7) -> tuple[dict, dict]:
+    """verify_cost[k]: a (k+1)-token target forward in one-token forwards; draft_cost[name]: c.
+
+    Every forward is timed in turn, round after round (`alternate`), and each ratio is of medians: timed one
+    after the other, a slow spell of a shared machine during the one-token forwards alone would shrink every
+    ratio at once (a measured v_1 of 0.71 did).
+    """
+    timers = {("target", n): forward_timer(target, n, context) for n in sorted({1, *(k + 1 for k in ks)})}
+    timers.update({(name, 1): forward_timer(model, 1, context) for name, model in drafts.items()})
+    times = {key: median(t) for key, t in alternate(timers, repeats=repeats, warmup=1,
+                                                       desc="forward costs").items()}
+    one = times["target", 1]
+    return ({k: times["target", k + 1] / one for k in ks},
+            {name: times[name, 1] / one for name in drafts})
 
 
 def measure_task(model, tokenizer, prompt: str, ks, max_new_tokens: int, repeats: int, drafts: dict,

@@ -97,4 +97,10 @@ def set_attention_backend(model, backend) -> None:
         block.attn.backend = backend
 
 
-__all__ = ["AttentionStep", "SDPABackend", "causal_mask_lower_right", "set_attention_backend"]
+def uses_default_attention(model) -> bool:
+    """Whether every layer runs the default backend (SDPA): a compiled graph writes its own attention, so a run
+    asked to use another kernel (lesson 16) must stay eager to use it."""
+    return all(isinstance(block.attn.backend, SDPABackend) for block in model.blocks)
+
+
+__all__ = ["AttentionStep", "SDPABackend", "causal_mask_lower_right", "set_attention_backend", "uses_default_attention"]

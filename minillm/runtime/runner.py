@@ -20,8 +20,9 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
             runner is made: before the first step, never inside the loop; prompts run eagerly over
             the same cache, which measured faster than compiled chunks); a model exported to
             ONNX (`minillm.speed.onnx_model.OnnxModel`) is its own graphs: graph "onnx", set by itself;
-            "auto": "compiled" when its graph is already on disk for this model and shape, else
-            "eager" (what the command line and the server run unless told)
+            "auto": "compiled" when its graph is already on disk for this model and shape (and the
+            model runs the default attention kernel), else "eager" (what the command line and the
+            server run unless told)
 
 For contiguous caches the runner keeps its rows in the order of the sequences it was last
 given; a step over fewer sequences (some finished) drops the others' rows, so a strategy
@@ -34,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
+from ..model.attention import uses_default_attention
 from ..speed.compile import compile_model
 from ..speed.graph_store import StepShape
 from ..speed.onnx_model import OnnxModel, OnnxSession
@@ -65,6 +67,7 @@ class ModelRunner:
         if graph == "auto":  # the compiled graphs when they are already built for this run, else eager
             built = (cache == "static" and isinstance(model, torch.nn.Module)
                      and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
+                     and uses_default_attention(model)  # another kernel asked for (lesson 16) runs eagerly
                      and all(map(compile_model(model, kept=True).is_built, shapes)))
             graph = "compiled" if built else "eager"
         if graph == "compiled" and cache != "static":

@@ -1,0 +1,46 @@
+"""Execute notebooks in place to commit them: top to bottom, with no progress-bar widget left in the stored outputs.
+
+    python notebooks/run.py notebooks/06_kv_cache.ipynb notebooks/07_batching.ipynb
+
+Run every notebook on one machine: each first cell prints the machine, and tests/test_lessons.py
+checks it against every results/ file the notebook quotes. A progress bar in a notebook is a
+widget whose state is not saved, so a stored one shows frozen at 0%; this drops those outputs
+(a learner running the notebook still sees them move) and keeps everything a cell prints.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def run(path: Path, timeout: int = 1800) -> None:
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    notebook.metadata.pop("widgets", None)  # the widgets' saved state: the same frozen bars
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [output for output in cell.outputs if WIDGET not in output.get("data", {})]
+    nbformat.write(notebook, path)
+
+
+def main(paths: list[str]) -> int:
+    if not paths:
+        print("usage: python notebooks/run.py NOTEBOOK.ipynb [...]", file=sys.stderr)
+        return 2
+    for name in paths:
+        start = time.perf_counter()
+        run(Path(name).resolve())
+        print(f"{name}: executed in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
