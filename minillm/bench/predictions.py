@@ -13,14 +13,14 @@ sync costs of results/cost.json.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..strategies.acceptance import acceptance_from_share, predicted_speedup
+from ..base.jsonio import read_json
 from .common import RESULTS, machine_label
 from .cost import SMOLLM2_135M, Machine, Step, bound, decode_step, predict, results_machine, with_bytes
+from .speculative import model_speedup
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Comparison:
 
 
 def stored(name: str, results: Path = RESULTS) -> dict:
-    return json.loads((Path(results) / f"{name}.json").read_text())
+    return read_json(Path(results) / f"{name}.json")
 
 
 def _machine(results: Path, bandwidth_gb_s: float | None = None) -> Machine:
@@ -108,18 +108,15 @@ def speculative(results: Path) -> list[Comparison]:
                        predict(decode_step(SMOLLM2_135M, context=200, tokens_per_row=int(k) + 1), machine)
                        / predict(one, machine), cost, (1 / 1.35, 1.35))
             for k, cost in data["verify_cost"].items()]
+    verify_cost = {int(k): cost for k, cost in data["verify_cost"].items()}
     for task, entry in data["tasks"].items():
         for name, by_k in entry["contenders"].items():
-            if not name.startswith("minillm "):
-                continue
-            c = data["draft_cost_ratio"].get(name.removeprefix("minillm draft "), 0.0)  # prompt lookup: ~nothing
-            for k, row in by_k.items():
-                share = row["acceptance_rate"]
-                if share >= 0.5:  # NaN (nothing drafted) compares False too
-                    a = acceptance_from_share(share, int(k))
+            for k, row in by_k.items() if name.startswith("minillm ") else ():
+                if (row["acceptance_rate"] or 0.0) >= 0.5:  # null or NaN: nothing was drafted
+                    predicted = model_speedup(name, int(k), row["acceptance_rate"], verify_cost,
+                                              data["draft_cost_ratio"])
                     rows.append(Comparison("08", f"{name.removeprefix('minillm ')}, {task}, k={k}: speed-up", "x",
-                                           predicted_speedup(a, int(k), c, data["verify_cost"][k]), row["speedup"],
-                                           (0.75, 1.25)))
+                                           predicted, row["speedup"], (0.75, 1.25)))
     return rows
 
 

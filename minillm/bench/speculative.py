@@ -168,20 +168,25 @@ def measure_task(model, tokenizer, prompt: str, ks, max_new_tokens: int, repeats
     return result
 
 
-def add_predictions(task: dict, verify_cost: dict, draft_cost: dict) -> None:
-    """The cost model's speedup for each minillm drafter, from its measured acceptance.
+def model_speedup(contender: str, k: int, share, verify_cost: dict, draft_cost: dict) -> float | None:
+    """The cost model's speedup for one minillm drafter's run at draft length k, or None when nothing was drafted.
 
     The measured rate is accepted / drafted; the model's a is the per-token acceptance probability,
-    recovered from it (`acceptance_from_share`), so the predicted tokens per round are 1 + k·rate.
+    recovered from it (`acceptance_from_share`), so the predicted tokens per round are 1 + k·rate,
+    for k draft forwards at c each (prompt lookup's cost ~nothing) and one verify at verify_cost[k].
     """
+    if share is None or share != share:  # null in a results file, NaN in memory
+        return None
+    c = draft_cost.get(contender.removeprefix("minillm draft "), 0.0)
+    return predicted_speedup(acceptance_from_share(share, k), k, c, verify_cost[k])
+
+
+def add_predictions(task: dict, verify_cost: dict, draft_cost: dict) -> None:
+    """`model_speedup` for each minillm drafter's row, from its measured acceptance."""
     for name, rows in task["contenders"].items():
-        if not name.startswith("minillm"):
-            continue
-        c = draft_cost.get(name.removeprefix("minillm draft "), 0.0)  # prompt lookup costs ~nothing
-        for k, row in rows.items():
-            a = row["acceptance_rate"]
-            row["predicted_speedup"] = None if a != a else predicted_speedup(acceptance_from_share(a, k), k, c,
-                                                                             verify_cost[k])
+        if name.startswith("minillm"):
+            for k, row in rows.items():
+                row["predicted_speedup"] = model_speedup(name, k, row["acceptance_rate"], verify_cost, draft_cost)
 
 
 def run(args) -> dict:
