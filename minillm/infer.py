@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     graphs.add_argument("--compile", action="store_true",
                         help="decode through the compiled graph (lesson 15), building it first when it is not on "
                              "disk yet (about a minute and a half once per model, batch size and length bucket; "
-                             "`python -m minillm.compile` builds it ahead); same tokens in float32; plain generation "
-                             "with --cache static only")
+                             "`python -m minillm.compile` builds it ahead); with --device cuda it is compiled in the "
+                             "run and captured as a CUDA graph before the first token (one launch per step); same "
+                             "tokens in float32; plain generation with --cache static only")
     graphs.add_argument("--eager", action="store_true",
                         help="always run eager PyTorch, even when a compiled graph is on disk")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive", "flash"),
@@ -334,7 +335,8 @@ def run(args) -> int:
     else:
         out = generate_in_batches(model, rows, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
                                   streamer=PrintStreamer() if stream else None, compile=compile)
-    if compile is None and out.stats.extra.get("graph") == "eager" and args.cache == "static":
+    if compile is None and out.stats.extra.get("graph") == "eager" and args.cache == "static" \
+            and model.device.type == "cpu":  # a GPU keeps no package: --compile captures one in the run
         verify = f" --verify-tokens {out.stats.extra['num_draft_tokens'] + 1}" if args.speculative else ""
         print(f"minillm: decoded eagerly: `python -m minillm.compile{verify}` (same --model/--dtype/--quant) builds "
               "the compiled graphs once, and later runs load them in seconds and decode faster", file=sys.stderr)
@@ -353,6 +355,8 @@ def run(args) -> int:
         s = out.stats
         graph = s.extra.get("graph", "eager")
         built = f" (loaded or built in {s.build_seconds:.1f} s)" if graph == "compiled" else ""
+        if graph == "compiled" and model.device.type == "cuda":
+            built = f", captured as a CUDA graph (compiled and captured in {s.build_seconds:.1f} s)"
         print(f"[path: {graph}{built}, {args.cache} cache, {args.attention} "
               f"attention, {'plain model' if args.plain else 'fast paths'}, quantization {args.quant}, "
               f"{args.dtype} on {args.device}]", file=sys.stderr)

@@ -9,6 +9,8 @@ Contenders, alternating in one run on the same weights and prompt (EOS off, so a
 produce exactly `new_tokens` tokens):
 
     minillm static / dynamic / none   `generate(cache=...)`: the three caches of lesson 06
+    minillm captured                  on a GPU: `generate(compile=True)`, the decode step compiled and
+                                      captured as one CUDA graph (lesson 15), what `--compile` runs there
     transformers                      `generate`, its default dynamic cache
     transformers static               `generate(cache_implementation="static")`
 
@@ -58,10 +60,11 @@ class TokenClock:
         return self.times[-1] - self.times[1]  # from the first new token to the last
 
 
-def _minillm(model, prompt, new_tokens, cache, device, record):
+def _minillm(model, prompt, new_tokens, cache, device, record, compile: bool = False):
     def run():
-        # ids, no tokenizer: no EOS; eager, the model op by op, as lesson 06 measures its caches
-        out = generate(model, [prompt], cache=cache, max_new_tokens=new_tokens, compile=False)
+        # ids, no tokenizer: no EOS; eager, the model op by op, as lesson 06 measures its caches (compile:
+        # the runner's compiled step, on a GPU captured as a CUDA graph, built before the first token)
+        out = generate(model, [prompt], cache=cache, max_new_tokens=new_tokens, compile=compile)
         synchronize(device)
         record.append(out.token_ids[0])
         return out.stats.decode_seconds
@@ -129,6 +132,9 @@ def run(args) -> dict:
         for cache in caches:
             name = f"minillm {cache}"
             contenders[name] = _minillm(model, prompt, new_tokens, cache, args.device, records.setdefault(name, []))
+        if model.device.type == "cuda":  # what `--compile --device cuda` runs: the step as one CUDA graph
+            contenders["minillm captured"] = _minillm(model, prompt, new_tokens, "static", args.device,
+                                                      records.setdefault("minillm captured", []), compile=True)
         if not (quick and dtype != "float32"):
             contenders["transformers"] = _transformers(hf_model, prompt, new_tokens, args.device,
                                                        records.setdefault("transformers", []))

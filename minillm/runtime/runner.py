@@ -15,13 +15,15 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
     cache   "static" (preallocated, lesson 06), "dynamic" (grows), "none" (recompute: the
             baseline the cache is measured against), or "paged" (a block pool, lesson 12)
     graph   "eager" (the model's own forward) or "compiled" (a fixed-shape decode graph, and with
-            `verify_tokens` a verify graph for drafts, over a static cache of a bucketed length, lesson 15: `minillm.speed.compile`, kept on disk as an
-            AOTInductor package by `minillm.speed.graph_store` and loaded, or built once, when the
-            runner is made: before the first step, never inside the loop; prompts run eagerly over
-            the same cache, which measured faster than compiled chunks); a model exported to
-            ONNX (`minillm.speed.onnx_model.OnnxModel`) is its own graphs: graph "onnx", set by itself;
-            "auto": "compiled" when its graph is already on disk for this model and shape (and the
-            model runs the default attention kernel), else "eager" (what the command line and the
+            `verify_tokens` a verify graph for drafts, over a static cache of a bucketed length,
+            lesson 15: `minillm.speed.compile`; on a CPU kept on disk as an AOTInductor package by
+            `minillm.speed.graph_store` and loaded, or built once; on a GPU compiled in the process and
+            captured as a CUDA graph; either way when the runner is made: before the first step,
+            never inside the loop; prompts run eagerly over the same cache, which measured faster
+            than compiled chunks); a model exported to ONNX (`minillm.speed.onnx_model.OnnxModel`)
+            is its own graphs: graph "onnx", set by itself; "auto": "compiled" when its package is
+            already on disk for this model and shape (and the model runs the default attention
+            kernel; on a GPU, where nothing is kept, never), else "eager" (what the command line and the
             server run unless told)
 
 For contiguous caches the runner keeps its rows in the order of the sequences it was last
@@ -88,9 +90,11 @@ class ModelRunner:
             self.session = None
             return
         if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already built
-            compiled = compile_model(model, kept=True)
+            # On a CPU the graphs are AOTInductor packages kept on disk; on a GPU they are compiled in this
+            # process and captured as CUDA graphs over this runner's cache, both before the first token.
+            compiled = compile_model(model, kept=model.device.type == "cpu")
             self.session = DecodeSession(compiled, cache, shapes[0].cache_len, max_batch, fixed_shape=True)
-            self.build_seconds = compiled.prepare(shapes)
+            self.build_seconds = compiled.prepare(shapes, self.session)
         else:
             self.session = DecodeSession(model, cache, max_len, max_batch)
 

@@ -98,6 +98,9 @@ def graph_ready_copy(model):
     return graph_model
 
 
+WARM_CALLS = 3  # a prepared step's calls before the run: compile (and warm up), record a CUDA graph, replay it
+
+
 class ColumnWrites:
     """The KV cache a traced forward sees: per-layer storage [B, KV, S, hd], new columns written at `columns`.
 
@@ -171,7 +174,10 @@ class CompiledModel:
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
         self.eager_calls = 0
         refuse_long_rope(model.config)
-        self.packages = {}  # StepShape -> PackagedStep, when kept
+        # StepShape -> what runs it, once `prepare` made it ready: a loaded package (kept) or this process's
+        # compiled step. After `prepare`, a shape not in here runs eagerly instead of compiling in the loop.
+        self.packages = {}
+        self.only_prepared = kept
         self.settings = {"autotune": autotune}  # what else, beside model and shape, changes a kept package
         if kept:  # the traced copy is made only if a package must be built: loading one needs no copy
             return
@@ -195,27 +201,52 @@ class CompiledModel:
         """Whether a kept package for `shape` is on disk, so `prepare` would load rather than build it."""
         return is_built(self.model, shape, self.settings)
 
-    def prepare(self, shapes, progress: bool = True) -> float:
-        """Load (or build, and keep) the packages for these `StepShape`s before the run; the seconds it took.
+    def prepare(self, shapes, session=None, progress: bool = True) -> float:
+        """Make the steps of these `StepShape`s ready before the run; the seconds it took.
 
-        Building is the slow part (about a minute per graph for the default model on two cores, once
-        per machine); loading a kept package takes a second or two.
+        Kept: load (or build, and keep) their packages. Building is the slow part (about a minute
+        per graph for the default model on two cores, once per machine); loading a kept package
+        takes a second or two. In this process (`kept=False`, what a GPU runs): compile each step
+        over `session`'s cache (a fixed-shape `DecodeSession`) and call it `WARM_CALLS` times, so
+        that on a GPU its CUDA graph is recorded now (`capture_step`), not at the first token.
+        Either way, from now on a shape not prepared runs eagerly rather than compiling mid-run.
         """
-        if not self.kept:
-            raise ValueError("prepare() loads kept packages: create the CompiledModel with kept=True")
         needed = [s for s in shapes if s not in self.packages]
+        if not self.kept and session is None:
+            raise ValueError("prepare() in this process compiles over a cache: pass the fixed-shape DecodeSession")
+        self.only_prepared = True
         start = time.perf_counter()
         with tqdm(total=len(needed), desc="compiled graphs", unit="graph", disable=not progress or not needed,
                   leave=False) as bar:
             for shape in needed:
-                key = graph_key(self.model, shape, self.settings)
-                self.packages[shape] = load_or_build(self.model, lambda: self.step_module, shape, key,
-                                                     lambda: inductor_settings(self.autotune, self.device),
-                                                     progress=bar.set_postfix_str)
+                if self.kept:
+                    key = graph_key(self.model, shape, self.settings)
+                    self.packages[shape] = load_or_build(self.model, lambda: self.step_module, shape, key,
+                                                         lambda: inductor_settings(self.autotune, self.device),
+                                                         progress=bar.set_postfix_str)
+                else:
+                    self.packages[shape] = self._warm(shape, session)
                 bar.update()
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         return seconds
+
+    def _warm(self, shape: StepShape, session):
+        """Compile the step for `shape` over `session`'s own cache storage and run it until it is replayed."""
+        if session.cache is None:
+            session.prefill([[0]] * shape.batch)  # allocates the cache (this one-token prompt runs eagerly)
+        keys, values = session.cache.k_layers, session.cache.v_layers
+        if self.device.type == "cuda":
+            for storage in (*keys, *values):
+                # The cache is written in place at a fixed address: a CUDA graph may use it directly
+                # instead of copying it in and out on every replay (guard=False: a new cache of the
+                # same shape re-records the graph rather than compiling it again).
+                torch._dynamo.mark_static_address(storage, guard=False)
+        inputs = shape.example_inputs(self.config, self.dtype, self.device)[:-2]
+        for _ in range(WARM_CALLS):  # writes only column 0 onward of rows that prefill starts over
+            self._timed(*inputs, keys, values)
+        session.cache.reset()
+        return self.step
 
     @property
     def device(self):
@@ -241,11 +272,16 @@ class CompiledModel:
         if self.kept:
             return self.packages[StepShape.of_step(*args)](*args)
         graphs, start = self.graphs, time.perf_counter()
+        captured = self.device.type == "cuda"  # Inductor records the step as a CUDA graph (`inductor_settings`)
+        if captured:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
         with inductor_settings(self.autotune, self.device):  # set while the step runs: a graph compiles on its first call
             out = self.step(*args)
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - start
-        return out
+        # A replayed CUDA graph writes its logits into the same memory every step: copy them out (a few
+        # hundred kilobytes) so that a caller may keep them past the next step.
+        return out.clone() if captured else out
 
     def __call__(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
         """The model's forward (see `Transformer.forward`); `packed` batches are not supported."""
@@ -267,7 +303,7 @@ class CompiledModel:
         # One tensor per layer, not the [n_layer, ...] storage they are views of: written through a view of
         # one big input, the compiled graph would copy every layer's keys out and back each step.
         keys, values = cache.k_layers, cache.v_layers
-        if T == 1 and (not self.kept or StepShape.of_step(*step, None, keys, values) in self.packages):
+        if T == 1 and (not self.only_prepared or StepShape.of_step(*step, None, keys, values) in self.packages):
             logits = self._timed(*step, None, keys, values)[:B]
         else:
             logits = self._chunked(*step, last_only, logits_at, keys, values, cache)
@@ -280,9 +316,9 @@ class CompiledModel:
         return logits
 
     def verify_length(self, rows: int, tokens: int, cache_len: int) -> int:
-        """How many tokens one step feeds when all `tokens` need logits (verifying a draft): kept, the
-        shortest verify graph built that holds them (a shorter draft is padded to it); else `chunk`."""
-        if self.kept:
+        """How many tokens one step feeds when all `tokens` need logits (verifying a draft): once prepared,
+        the shortest verify step prepared that holds them (a shorter draft is padded to it); else `chunk`."""
+        if self.only_prepared:
             fits = [s.tokens for s in self.packages if s.tokens == s.logits >= tokens > 1
                     and (s.batch, s.cache_len) == (rows, cache_len)]
             if fits:
@@ -309,7 +345,7 @@ class CompiledModel:
             wanted = torch.cat((wanted, wanted[-1:].expand(B - len(wanted), -1)))  # the spare rows' too
         else:
             wanted = None  # every position: logits for each whole chunk
-        if self.kept and StepShape(B, C, cache.max_len, C if wanted is None else wanted.shape[1]) not in self.packages:
+        if self.only_prepared and StepShape(B, C, cache.max_len, C if wanted is None else wanted.shape[1]) not in self.packages:
             return None  # no graph was built for this shape: the eager forward over the same cache
         if pad:
             ahead = torch.arange(1, pad + 1, device=tokens.device)

@@ -23,6 +23,10 @@ def worth_autotuning(model) -> bool:
     step. A model of a few thousand weights (the course's tiny test models) runs no faster with
     a tuned kernel, and would triple its compile time for nothing.
     """
+    if model.device.type != "cpu":
+        # On a GPU a decode step's matmuls are already cuBLAS kernels streaming near the bandwidth; what
+        # compiling buys there is one CUDA graph launch instead of hundreds of kernel launches.
+        return False
     tensors = itertools.chain(model.parameters(), model.buffers())
     return sum(tensor.numel() for tensor in tensors) >= AUTOTUNE_MIN_ELEMENTS
 
@@ -50,6 +54,10 @@ def inductor_settings(autotune: bool, device):
         # The graph's own driver in C++ rather than Python: a decode step launches some ten kernels per
         # block, and calling each from Python costs more than the small ones take to run.
         settings["cpp_wrapper"] = True
+    else:
+        # On a GPU the same problem is solved by recording the step's kernel launches once as a CUDA
+        # graph and replaying it: one launch per step (what torch.compile's mode="reduce-overhead" sets).
+        settings["triton.cudagraphs"] = True
     if autotune:
         settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
         if on_cpu:
