@@ -51,7 +51,8 @@ from ..cache.kv_cache import StaticCache
 from ..model.attention import set_attention_backend
 from ..model.rope import RopeTable
 from .attention_kernels import make_backend
-from .graph_store import StepShape, graph_key, is_built, load_or_build
+from .cuda_graph import CapturedStep
+from .graph_store import PackagedStep, StepShape, graph_key, is_built, load_or_build
 from .inductor import inductor_settings, worth_autotuning
 from .onednn import use_plain_linear
 
@@ -96,9 +97,6 @@ def graph_ready_copy(model):
     if graph_model.rope_local is not None:
         graph_model.rope_local = FixedRope(graph_model.rope_local, config.context_length, model.dtype, model.device)
     return graph_model
-
-
-WARM_CALLS = 3  # a prepared step's calls before the run: compile (and warm up), record a CUDA graph, replay it
 
 
 class ColumnWrites:
@@ -207,13 +205,16 @@ class CompiledModel:
         Kept: load (or build, and keep) their packages. Building is the slow part (about a minute
         per graph for the default model on two cores, once per machine); loading a kept package
         takes a second or two. In this process (`kept=False`, what a GPU runs): compile each step
-        over `session`'s cache (a fixed-shape `DecodeSession`) and call it `WARM_CALLS` times, so
-        that on a GPU its CUDA graph is recorded now (`capture_step`), not at the first token.
-        Either way, from now on a shape not prepared runs eagerly rather than compiling mid-run.
+        over `session`'s cache (a fixed-shape `DecodeSession`) and, on a GPU, record it as a CUDA
+        graph over that cache (`CapturedStep`: one launch per step), so nothing is compiled or
+        recorded after the first token. Either way, from then on a shape not prepared runs eagerly.
         """
-        needed = [s for s in shapes if s not in self.packages]
         if not self.kept and session is None:
             raise ValueError("prepare() in this process compiles over a cache: pass the fixed-shape DecodeSession")
+        # A CUDA graph is bound to the cache it was recorded over: a new session records its steps again
+        # (in seconds: the compiled kernels are reused).
+        captured = not self.kept and self.device.type == "cuda"
+        needed = list(shapes) if captured else [s for s in shapes if s not in self.packages]
         self.only_prepared = True
         start = time.perf_counter()
         with tqdm(total=len(needed), desc="compiled graphs", unit="graph", disable=not progress or not needed,
@@ -225,28 +226,34 @@ class CompiledModel:
                                                          lambda: inductor_settings(self.autotune, self.device),
                                                          progress=bar.set_postfix_str)
                 else:
-                    self.packages[shape] = self._warm(shape, session)
+                    self.packages[shape] = self._warm(shape, session, captured)
                 bar.update()
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         return seconds
 
-    def _warm(self, shape: StepShape, session):
-        """Compile the step for `shape` over `session`'s own cache storage and run it until it is replayed."""
+    def _warm(self, shape: StepShape, session, captured: bool):
+        """Compile the step for `shape` over `session`'s own cache storage (and record it, `captured`)."""
         if session.cache is None:
             session.prefill([[0]] * shape.batch)  # allocates the cache (this one-token prompt runs eagerly)
         keys, values = session.cache.k_layers, session.cache.v_layers
-        if self.device.type == "cuda":
-            for storage in (*keys, *values):
-                # The cache is written in place at a fixed address: a CUDA graph may use it directly
-                # instead of copying it in and out on every replay (guard=False: a new cache of the
-                # same shape re-records the graph rather than compiling it again).
-                torch._dynamo.mark_static_address(storage, guard=False)
-        inputs = shape.example_inputs(self.config, self.dtype, self.device)[:-2]
-        for _ in range(WARM_CALLS):  # writes only column 0 onward of rows that prefill starts over
+        inputs = shape.example_inputs(self.config, self.dtype, self.device)[:-2]  # writes column 0 onward
+        if captured:
+            with inductor_settings(self.autotune, self.device):
+                step = CapturedStep(self._compiled_step, inputs, keys, values)
+        else:
             self._timed(*inputs, keys, values)
-        session.cache.reset()
-        return self.step
+            step = self.step
+        session.cache.reset()  # the rows prefill starts over
+        return step
+
+    def _compiled_step(self, *args):
+        """This process's compiled step, its compile time counted (what `_timed` runs when nothing is kept)."""
+        graphs, start = self.graphs, time.perf_counter()
+        out = self.step(*args)
+        if self.graphs != graphs:
+            self.compile_seconds += time.perf_counter() - start
+        return out
 
     @property
     def device(self):
@@ -267,21 +274,14 @@ class CompiledModel:
         return compile_fx(graph_module, example_inputs)
 
     def _timed(self, *args):
-        """Run the step; in this process's torch.compile mode, a call that compiled a graph adds its wall time
-        to `compile_seconds`. args: `CacheStep.forward`'s."""
-        if self.kept:
-            return self.packages[StepShape.of_step(*args)](*args)
-        graphs, start = self.graphs, time.perf_counter()
-        captured = self.device.type == "cuda"  # Inductor records the step as a CUDA graph (`inductor_settings`)
-        if captured:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
+        """Run the step: a kept package, a step recorded as a CUDA graph, or this process's compiled step
+        (which, met for the first time, compiles: its wall time is added to `compile_seconds`).
+        args: `CacheStep.forward`'s."""
+        prepared = self.packages.get(StepShape.of_step(*args))
+        if isinstance(prepared, (PackagedStep, CapturedStep)):
+            return prepared(*args)
         with inductor_settings(self.autotune, self.device):  # set while the step runs: a graph compiles on its first call
-            out = self.step(*args)
-        if self.graphs != graphs:
-            self.compile_seconds += time.perf_counter() - start
-        # A replayed CUDA graph writes its logits into the same memory every step: copy them out (a few
-        # hundred kilobytes) so that a caller may keep them past the next step.
-        return out.clone() if captured else out
+            return self._compiled_step(*args)
 
     def __call__(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
         """The model's forward (see `Transformer.forward`); `packed` batches are not supported."""

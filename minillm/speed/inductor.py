@@ -54,10 +54,8 @@ def inductor_settings(autotune: bool, device):
         # The graph's own driver in C++ rather than Python: a decode step launches some ten kernels per
         # block, and calling each from Python costs more than the small ones take to run.
         settings["cpp_wrapper"] = True
-    else:
-        # On a GPU the same problem is solved by recording the step's kernel launches once as a CUDA
-        # graph and replaying it: one launch per step (what torch.compile's mode="reduce-overhead" sets).
-        settings["triton.cudagraphs"] = True
+    # (On a GPU the same problem is solved by recording the step's launches once as a CUDA graph and
+    # replaying it: `minillm.speed.cuda_graph`.)
     if autotune:
         settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
         if on_cpu:

@@ -1,0 +1,59 @@
+"""One step recorded as a CUDA graph and replayed: a decode step in one launch on a GPU (lesson 15).
+
+An eager decode step on a GPU is some 850 kernel launches, each a few microseconds of
+Python and driver work for a kernel that runs for about as long: the GPU sits idle
+most of the step waiting for the next launch. A CUDA graph records the kernels one
+call launches, with the memory they read and write, and replays all of them with one
+launch. Nothing on the host runs during a replay, so a recorded step may not depend
+on host values, and every tensor it touches must stay where it was when it was
+recorded: the inputs are copied into buffers the graph owns, the KV cache is the
+runner's own storage (written in place, `ColumnWrites`), and the logits come back in
+the graph's output buffer, copied out before the next replay overwrites them.
+
+This is the recipe of nano-vllm's model runner (one graph per batch size, recorded
+once at start), written out by hand rather than through torch.compile's
+mode="reduce-overhead", whose graph trees re-record or fall back to launching kernels
+one by one when an input that the step writes (the cache) is not a module buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CapturedStep:
+    """`step(*inputs, keys, values)` recorded once over this cache; call it with new inputs of the same shapes.
+
+    inputs: the step's tensors before the cache (tokens, positions, columns, mask, logits_at
+    or None), each [B, T, ...]; keys, values: the cache's per-layer storage, which the graph
+    reads and writes where it lies (a new cache needs a new recording).
+    """
+
+    WARMUP = 2  # calls before recording: the first compiles, both settle the allocator and the kernels' caches
+
+    def __init__(self, step, inputs, keys, values):
+        self.step, self.keys, self.values = step, keys, values
+        self.inputs = [None if t is None else t.clone() for t in inputs]  # the graph reads these buffers
+        side = torch.cuda.Stream()  # warm up off the main stream, as CUDA graph capture requires
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP):
+                step(*self.inputs, keys, values)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = step(*self.inputs, keys, values)  # [B, K, V], rewritten by every replay
+
+    def __call__(self, *args) -> torch.Tensor:
+        """args: `CacheStep.forward`'s; logits [B, K, V], a copy the next replay leaves alone."""
+        *inputs, keys, values = args
+        if keys[0].data_ptr() != self.keys[0].data_ptr():
+            raise RuntimeError("this CUDA graph was recorded over another cache: prepare the step again for this one")
+        for buffer, new in zip(self.inputs, inputs):
+            if buffer is not None:
+                buffer.copy_(new)
+        self.graph.replay()
+        return self.output.clone()
+
+
+__all__ = ["CapturedStep"]
