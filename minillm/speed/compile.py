@@ -215,6 +215,9 @@ class CompiledModel:
         # (in seconds: the compiled kernels are reused).
         captured = not self.kept and self.device.type == "cuda"
         needed = list(shapes) if captured else [s for s in shapes if s not in self.packages]
+        if captured:  # forget the graphs recorded over another cache (until recorded again, a shape runs eagerly)
+            for shape in needed:
+                self.packages.pop(shape, None)
         self.only_prepared = True
         start = time.perf_counter()
         with tqdm(total=len(needed), desc="compiled graphs", unit="graph", disable=not progress or not needed,
