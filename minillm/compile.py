@@ -2,7 +2,8 @@
 
 The graphs are AOTInductor packages kept under $MINILLM_HOME (`minillm.speed.graph_store`),
 one per model, quantization, batch size and cache-length bucket. `python -m minillm.infer`,
-`generate` and the server use one whenever it is already built for their run.
+`generate` and the server use one whenever it is already built for their run. A CPU's: on a
+GPU the runner records its step as a CUDA graph in each run instead (`minillm.speed.cuda_graph`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def run(args) -> int:
     for flag, values in (("--batch-size", batches), ("--length", lengths), ("--verify-tokens", verify or [2])):
         if min(values) < 1:
             raise ValueError(f"{flag} {min(values)} is invalid: must be >= 1")
+    if args.quant == "none" and args.device.startswith("cuda"):
+        from .model.loading import resolve_device
+
+        resolve_device(args.device)  # a GPU this machine lacks is named first, as by every command
+        raise ValueError("nothing is kept for a GPU: there `python -m minillm.infer --device cuda --compile` compiles "
+                         "the decode step and records it as a CUDA graph in the run (lesson 15)")
     from .speed.compile import compile_model
     from .speed.graph_store import StepShape
     from .speed.load import load_model

@@ -117,3 +117,19 @@ def test_the_captured_path_on_a_gpu_gives_eagers_tokens_and_fp32_gives_transform
         hf.generation_config.eos_token_id = None
         ids = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=32, do_sample=False)
         assert eager == ids[0, len(prompt):].tolist()
+
+
+def test_building_ahead_for_a_gpu_is_refused_in_one_line_saying_what_runs_there(monkeypatch, capsys):
+    """`python -m minillm.compile` keeps CPU packages; on a GPU (simulated: one present) nothing is kept, and the
+    refusal names the command that records the graph in the run, before the checkpoint is located."""
+    import importlib
+
+    def located(*args, **kwargs):
+        raise AssertionError("the checkpoint was located: the refusal came too late")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("minillm.model.loading.resolve_checkpoint_folder", located)
+    assert importlib.import_module("minillm.compile").main(["--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nothing is kept for a GPU" in err and "--device cuda --compile" in err, err
