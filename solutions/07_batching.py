@@ -7,8 +7,7 @@ from functools import lru_cache
 
 import torch
 
-from minillm.cache.kv_cache import DynamicCache
-from minillm.runtime.batching import attention_mask, pad_left
+from minillm.model.attention import causal_mask_lower_right
 from minillm.runtime.session import DecodeSession
 
 
@@ -75,18 +74,33 @@ def greedy_per_row_eos(model, prompts, eos_ids, max_new_tokens):
         logits = session.extend(next_tokens[:, None])[:, -1]
 
 
-@torch.inference_mode()
-def greedy_left_padded(model, prompts, max_new_tokens):
-    """Exercise 4: A left-padded cached loop"""
-    tokens, valid, positions = pad_left(prompts, device=model.device)  # every row ends at column L - 1
-    cache = DynamicCache(model.config.n_layer)  # one length for the batch
-    logits = model(tokens, positions, cache=cache, mask=attention_mask(valid, tokens.shape[1]))
-    next_tokens = logits[:, -1].argmax(dim=-1)  # [B]: the last column is real in every row
-    out, last_position = [next_tokens], positions[:, -1]
-    for _ in range(max_new_tokens - 1):
-        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)  # the new column is real everywhere
-        last_position = last_position + 1  # each row continues its own numbering
-        logits = model(next_tokens[:, None], last_position[:, None], cache=cache, mask=attention_mask(valid, 1))
-        next_tokens = logits[:, -1].argmax(dim=-1)
-        out.append(next_tokens)
-    return torch.stack(out, dim=1).tolist()
+def predicted_nan_rows() -> dict[str, list[bool]]:
+    """Exercise 4: Break the diagonal"""
+    # Without the s = t term a padding query sees no key: every key at or before it is padding too. Its softmax is
+    # over nothing, 0/0 = NaN, and the padding position's output is NaN. Real queries never look at it, so in the
+    # first layer nothing real is touched: its padding KEYS and VALUES came from embeddings and are finite. The NaN
+    # output becomes the next layer's padding keys and values; a real query weights them by exactly 0, and
+    # 0 * NaN = NaN: from layer 2 on every real token of a padded row is NaN. The longest row has no padding, so no
+    # query of it is ever empty. SDPA returns zeros for a query that sees nothing, so nothing is NaN at all.
+    return {
+        "sdpa, 2 layers": [False, False, False, False],
+        "softmax, 1 layer": [False, False, False, False],
+        "softmax, 2 layers": [True, False, True, True],  # 3, 1 and 9 tokens are padded; 17 is not
+    }
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
+    """Exercise 4: Break the diagonal"""
+    H, KV, T, S = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)  # [B, H, S, hd]
+    mask = step.mask[:, None] if step.mask is not None else causal_mask_lower_right(T, S, q.device)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, T, S]
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)  # a row of all -inf: 0/0 = NaN
+    return weights @ v  # weight 0 times a NaN value is NaN: no weight can hide a NaN
+
+
+def mask_without_own_column(key_valid: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """Exercise 4: Break the diagonal"""
+    S = key_valid.shape[1]
+    causal = causal_mask_lower_right(num_queries, S, key_valid.device)  # [T, S]
+    return causal & key_valid[:, None, :]  # real keys only: a padding query sees nothing at all

@@ -9,16 +9,16 @@ import torch
 from minillm.runtime.session import DecodeSession
 
 
-@torch.inference_mode()
-def sequence_score(model, prompt_ids, token_ids, length_penalty):
-    """Exercise 1: Score a hypothesis like transformers"""
-    ids = list(prompt_ids) + list(token_ids)
-    tokens = torch.tensor([ids], device=model.device)
-    logits = model(tokens, torch.arange(len(ids), device=model.device)[None])[0]  # [P + N, V]
-    # The logits at position i predict token i + 1: the new tokens are predicted from P - 1 .. P + N - 2.
-    log_probs = logits[len(prompt_ids) - 1:-1].float().log_softmax(dim=-1)  # [N, V]
-    total = log_probs.gather(-1, torch.tensor(token_ids, device=model.device)[:, None]).sum().item()
-    return total / len(token_ids) ** length_penalty  # n counts the new tokens, EOS included
+def predicted_winners() -> list[int]:
+    """Exercise 1: Predict which length wins"""
+    # sum / n ** lp for (-2.5, 10), (-1.0, 2), (-16.0, 40), (-2.0, 5), (-0.9, 3):
+    #   lp = -1 (sum * n):  -25    -2     -640   -10    -2.7    -> 1: shortness is rewarded twice
+    #   lp =  0 (the sum):  -2.5   -1.0   -16    -2.0   -0.9    -> 4: the most probable text, short
+    #   lp = 0.5:           -0.79  -0.71  -2.53  -0.89  -0.52   -> 4
+    #   lp =  1 (per token): -0.25 -0.5   -0.4   -0.4   -0.3    -> 0: the best average log-probability
+    #   lp =  2:            -0.025 -0.25  -0.01  -0.08  -0.1    -> 2: the longest, though its tokens are worse
+    # Hypothesis 3 never wins: at every penalty a shorter or a longer one beats it.
+    return [1, 4, 4, 0, 2]
 
 
 @torch.inference_mode()

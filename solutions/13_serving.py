@@ -2,26 +2,40 @@
 
 from __future__ import annotations
 
-import json
 import math
+import re
+from collections.abc import Iterable, Iterator
 
 from minillm.decoding.sampling import SamplingConfig
 
-
-def sse_encode(chunk: dict) -> bytes:
-    return f"data: {json.dumps(chunk)}\n\n".encode()
+LINE_END = re.compile(rb"\r\n|\r|\n")  # \r\n first: one line end, not two
 
 
-def sse_decode(lines: list[str]) -> list[dict]:
-    chunks = []
-    for line in lines:
-        if not line or line.startswith(":"):
+def sse_data(chunks: Iterable[bytes]) -> Iterator[str]:
+    """Exercise 1: Server-sent events"""
+    pending = b""  # the start of a line whose end has not arrived yet
+    after_cr = False  # the last chunk ended on \r: a \n opening the next chunk is the rest of that line end
+    data = None  # the current event's data lines; None while it has none (then a blank line dispatches nothing)
+    for chunk in chunks:
+        if not chunk:
             continue
-        payload = line.removeprefix("data: ")
-        if payload == "[DONE]":
-            break
-        chunks.append(json.loads(payload))
-    return chunks
+        if after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]  # otherwise \r | \n across two chunks would read as a line end and a blank line
+        after_cr = chunk.endswith(b"\r")  # treated as a line end at once: a \r-only stream is not held back
+        *lines, pending = LINE_END.split(pending + chunk)  # split bytes: \r and \n never occur inside a UTF-8 character
+        for raw in lines:
+            line = raw.decode("utf-8", errors="replace")  # a whole line: no character is cut in half any more
+            if not line:  # a blank line: dispatch
+                if data is not None:
+                    payload, data = "\n".join(data), None
+                    if payload == "[DONE]":
+                        return  # no further chunk is read
+                    yield payload
+            elif not line.startswith(":"):  # ':' starts a comment (servers send them as keep-alives)
+                field, _, value = line.partition(":")
+                if field == "data":
+                    data = (data or []) + [value.removeprefix(" ")]  # one space only: "data:  x" is " x"
+    # Whatever is left (pending text, an event with no blank line after it) was cut off: dropped.
 
 
 def to_sampling_config(body: dict, max_new_tokens: int):

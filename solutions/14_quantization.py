@@ -12,13 +12,17 @@ import torch.nn.functional as F
 # ------------------------------------------------------------------ Exercise 1
 
 
-def decode_q4_1_block(block: bytes) -> np.ndarray:
-    """Exercise 1: Decode a Q4_1 block by hand"""
-    d, m = np.frombuffer(block[:4], dtype=np.float16).astype(np.float32)
-    nibbles = np.frombuffer(block[4:20], dtype=np.uint8)
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4])  # weights 0-15 low nibbles, 16-31 high nibbles
-    return d * q.astype(np.float32) + m
-    # 20 bytes for 32 weights: 5 bits per weight, and the int4 kernel takes q as it is, scale d, zero m + 8d.
+def decode_q4_0_block(block: bytes) -> np.ndarray:
+    """Exercise 1: Decode a Q4_0 block by hand"""
+    d = np.frombuffer(block[:2], dtype="<f2").astype(np.float32)[0]
+    nibbles = np.frombuffer(block[2:18], dtype=np.uint8)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4]).astype(np.int8)  # weights 0-15 low, 16-31 high nibbles
+    return d * (q - 8).astype(np.float32)  # q - 8 in int8: in uint8, q < 8 would wrap round to 248..255
+    # 18 bytes for 32 weights: 4.5 bits per weight, half a bit less than Q4_1, for a grid centred on zero (d times
+    # −8 .. 7) instead of one spanning the block's own minimum to maximum. It is the int4 kernel's formula with
+    # scale d and zero 0. llama.cpp's quantizer sets d = (the weight of largest magnitude) / −8, so that weight is
+    # exactly −8·d, at q = 0: the grid's one extra level (−8 has no +8) goes to the largest weight whatever its
+    # sign, which is why d is negative whenever that weight is positive.
 
 
 # ------------------------------------------------------------------ Exercise 2
@@ -39,14 +43,20 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 # ------------------------------------------------------------------ Exercise 3
 
 
-def e2m1_tie_predictions() -> dict[float, float]:
+def e2m3_tie_predictions() -> dict[str, list[float]]:
     """Exercise 3: One MXFP4 block, ties to even"""
-    # Each tie sits between an even code and an odd one; the even one wins, so ties alternate:
-    #   0.25: 0 (000) or 0.5 (001)  -> 0, down      0.75: 0.5 (001) or 1 (010) -> 1, up
-    #   1.25: 1 (010) or 1.5 (011)  -> 1, down      1.75: 1.5 (011) or 2 (100) -> 2, up
-    #   2.5:  2 (100) or 3 (101)    -> 2, down      3.5:  3 (101) or 4 (110)   -> 4, up
-    #   5:    4 (110) or 6 (111)    -> 4, down
-    return {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
+    # The 32 magnitudes, in code order: four binades of eight values each (the subnormals 0 .. 7/8 share the
+    # spacing of the binade above them), spaced 1/8, 1/8, 1/4, 1/2:
+    #   f = 0: 0 0.125 ... 0.875   f = 1: 1 1.125 ... 1.875   f = 2: 2 2.25 ... 3.75   f = 3: 4 4.5 ... 7.5
+    # The tie between codes i and i + 1 goes to whichever of them is even: down when i is even, up when i is odd.
+    # 31 ties, codes 0 .. 30 below them: 16 go down, 15 up. A binade ends on mantissa 111 (odd) and the next starts
+    # on 000 (even), so every tie across a binade boundary (0.9375, 1.9375, 3.875) rounds up.
+    values = [m / 8 for m in range(8)] + [2.0 ** (f - 1) * (1 + m / 8) for f in (1, 2, 3) for m in range(8)]
+    ties = [(low + high) / 2 for low, high in zip(values, values[1:])]  # ties[i]: between codes i and i + 1
+    return {"up": ties[1::2], "down": ties[0::2]}
+    # Ties alternate within a binade in every format, so a block of real weights with many ties is not biased
+    # up or down on average; an argmin over the values (round every tie down) is: it shrinks 15 of E2M3's 31 ties
+    # by one step, always towards zero.
 
 
 def mxfp4_quantize_dequantize(x: torch.Tensor) -> torch.Tensor:

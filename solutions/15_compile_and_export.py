@@ -10,12 +10,20 @@ import torch
 # ------------------------------------------------------------------ Exercise 1
 
 
-def mask_from_positions(positions: torch.Tensor, num_columns: int) -> torch.Tensor:
+def mask_from_positions(positions: torch.Tensor, num_columns: int, window: int) -> torch.Tensor:
     """Exercise 1: The mask from the positions"""
     columns = torch.arange(num_columns, device=positions.device)  # [S]
-    return columns <= positions[:, :, None]  # [B, T, S] by broadcasting
-    # In the session's layout the column of a token is its position, so "up to my position" is causal over the
-    # prompt and the cached prefix at once, and it hides every column past the row's end.
+    newest = positions[:, -1:, None]  # [B, 1, 1]: the last position written into the ring
+    held = newest - (newest - columns) % num_columns  # [B, 1, S]: the latest position q <= newest with q % S == c
+    query = positions[:, :, None]  # [B, T, 1]
+    return (held >= 0) & (held <= query) & (held > query - window)  # [B, T, S]
+    # A column holds the newest position that maps to it; negative means the row has not reached it yet (it holds
+    # zeros, or another run's leftovers). Once the chunk p0 .. p0 + T − 1 is written, the ring holds positions
+    # p0 + T − S .. p0 + T − 1, and the chunk's first token needs p0 − window + 1 .. p0: all still there when
+    # S >= window + T − 1. A ring of exactly `window` columns is enough for decode (T = 1), but a prefill chunk
+    # overwrites the oldest keys its own first tokens attend to; with this mask they would silently see fewer
+    # keys. Mistral's rolling buffer cache is this ring; the positions alone give the mask, so the graph needs no
+    # other input, and RoPE, which rotates each key by its own position, does not care where the key is stored.
 
 
 # ------------------------------------------------------------------ Exercise 2
@@ -48,21 +56,24 @@ def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------ Exercise 4
 
 
-def count_graphs(fn, calls: list[tuple]) -> int:
+def predict_dynamic_graphs() -> dict[str, int]:
     """Exercise 4: Count the graphs"""
-    graphs = 0
-
-    def counting_backend(graph_module, example_inputs):
-        nonlocal graphs
-        graphs += 1
-        return graph_module.forward  # run the traced graph as it is
-
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=counting_backend, dynamic=False)
-    for args in calls:
-        compiled(*args)
-    return graphs
-    # minillm.speed.compile.CompiledModel counts its Inductor graphs the same way (CompiledModel.graphs).
+    # dynamic=None ("automatic dynamic shapes"): the first call is traced with every size a constant; when a call
+    # fails the guards because a size (or a Python int) changed, dynamo marks that one dynamic and traces again
+    # with a symbol for it, which then serves every later value. Sizes 0 and 1 are never symbols (0/1
+    # specialization: a size of 1 broadcasts, so code can branch on it); a symbolic size is assumed >= 2.
+    return {
+        "static": 6,  # dynamic=False: a graph per shape (under the recompile limit, 8)
+        "default": 2,  # T = 2 as constants, then one graph for every T >= 2 from the second length on
+        "default_then_one": 3,  # the symbolic graph's guard says T >= 2, so T = 1 gets a graph of its own
+        "dynamic": 1,  # dynamic=True: symbolic from the first call
+        "default_int": 2,  # a Python int goes the same way as a size: constant first, then a symbol
+    }
+    # The package still passes dynamic=False: with a symbol for T, Inductor writes its kernels for any size, so it
+    # can neither specialise them nor time a matmul kernel for the one shape decode runs thousands of times. So
+    # the step never sees a second shape: one token per decode step, a cache allocated at its full length, prompts
+    # fed in chunks of one length (or run eagerly), positions as tensors, one graph per (batch, cache bucket). The
+    # T = 1 graph above is also why decode needs a graph of its own even in dynamic mode.
 
 
 # ------------------------------------------------------------------ Exercise 5

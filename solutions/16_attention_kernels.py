@@ -28,52 +28,66 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 # ------------------------------------------------------------------ Exercise 2
 
 
-def online_update(state, q, k, v, visible, scale):
-    """One tile of the online softmax. state = (m [Tq], l [Tq], acc [Tq, hd])."""
+def online_update(state, scores, v):
+    """One tile of the online softmax. state = (m [Tq], l [Tq], acc [Tq, hd]); scores [Tq, Sk], masked with -inf.
+
+    A row whose running maximum is still -inf (it has seen nothing yet, in this tile or before) uses 0 as its
+    reference: exp(-inf - 0) = 0 adds nothing, where exp(-inf - (-inf)) would be NaN.
+    """
     m, l, acc = state
-    scores = (q @ k.T * scale).masked_fill(~visible, float("-inf"))  # [Tq, Sk]
     m_new = torch.maximum(m, scores.amax(dim=-1))
-    reference = m_new.masked_fill(m_new == float("-inf"), 0.0)  # nothing visible yet: no -inf - (-inf)
-    p = torch.exp(scores - reference[:, None])
+    reference = m_new.masked_fill(m_new == float("-inf"), 0.0)
+    p = torch.exp(scores - reference[:, None])  # [Tq, Sk]
     correction = torch.exp(m - reference)  # rescales what was summed under the old maximum
     return m_new, l * correction + p.sum(dim=-1), acc * correction[:, None] + p @ v
 
 
-def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
+def tiled_attention(score, v: torch.Tensor, mask: torch.Tensor, block_q: int,
                     block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exercise 2: A tiled attention loop of your own"""
-    T, hd = q.shape
-    S = k.shape[0]
-    out, lse = torch.empty_like(q), torch.empty(T)
+    T, S = mask.shape
+    hd = v.shape[1]
+    out, lse = torch.zeros(T, hd, dtype=v.dtype), torch.full((T,), float("-inf"), dtype=v.dtype)
     for q0 in range(0, T, block_q):
         q1 = min(q0 + block_q, T)
         state = (torch.full((q1 - q0,), float("-inf")), torch.zeros(q1 - q0), torch.zeros(q1 - q0, hd))
-        last_key = S - T + q1  # the tile's last query sees keys up to here (exclusive): later tiles are skipped
-        for k0 in range(0, last_key, block_k):
-            k1 = min(k0 + block_k, last_key)
-            visible = torch.arange(k0, k1)[None, :] <= torch.arange(q0, q1)[:, None] + (S - T)  # [Tq, Sk]
-            state = online_update(state, q[q0:q1], k[k0:k1], v[k0:k1], visible, 1 / math.sqrt(hd))
+        for k0 in range(0, S, block_k):
+            k1 = min(k0 + block_k, S)
+            visible = mask[q0:q1, k0:k1]  # [Tq, Sk]: reading the mask costs no product
+            if not visible.any():  # padding, a masked band, the future: never compute this tile
+                continue
+            scores = score(q0, q1, k0, k1).masked_fill(~visible, float("-inf"))
+            state = online_update(state, scores, v[k0:k1])
         m, l, acc = state
-        out[q0:q1], lse[q0:q1] = acc / l[:, None], m + torch.log(l)  # every causal query sees key 0: l > 0
+        # A row that saw nothing has l = 0 and acc = 0: divide by 1 instead, giving zeros, and m + log 0 = -inf.
+        out[q0:q1] = acc / l.masked_fill(l == 0, 1.0)[:, None]
+        lse[q0:q1] = m + torch.log(l)
     return out, lse
+    # The notebook's loop knows one mask, causal, where every query sees key 0: its first tile gives every row a
+    # finite maximum, so it never meets m = -inf. Under padding a row can meet its first visible key in a later
+    # tile than the other rows of its query tile (or never): the tile is computed for the others, and that row
+    # needs the guard. The left-padded prefill of 13 tokens with 5 pads in 4 x 4 tiles computes 6 of the 16 tiles
+    # (query tile 0 is all padding, key tile 0 all padding): causal skipping alone would compute 10.
 
 
 # ------------------------------------------------------------------ Exercise 3
 
 
-def causal_tiles(T: int, S: int, block_q: int, block_k: int) -> tuple[list[tuple[int, int]], float]:
+def window_tiles(L: int, B: int, W: int) -> int:
     """Exercise 3: The tiles a causal mask computes"""
-    tiles, covered = [], 0
-    for i, q0 in enumerate(range(0, T, block_q)):
-        rows = min(block_q, T - q0)
-        last_visible = S - T + q0 + rows - 1  # the tile's last query sees up to this key
-        for j, k0 in enumerate(range(0, S, block_k)):
-            if k0 <= last_visible:  # the tile's first key is seen by its last query
-                tiles.append((i, j))
-                covered += rows * min(block_k, S - k0)
-    # For a prefill (T = S = L) with fixed tiles the share tends to 1/2 as L grows (the diagonal tiles'
-    # waste is L·block/2 of L²/2); for a decode step (T = 1) every key is visible: share 1.
-    return tiles, covered / (T * S)
+    # Query tile i (rows iB .. iB + B - 1) sees keys from max(0, iB - W + 1) to its last row, whose key tile is i
+    # (the diagonal). floor((iB - (W - 1)) / B) = i - c with c = ceil((W - 1) / B), so the tile touches key tiles
+    # max(0, i - c) .. i: min(i, c) + 1 of them. (A shorter last tile changes nothing: its first row already
+    # reaches its diagonal tile.) Sum over the n query tiles:
+    n = -(-L // B)  # ceil(L / B) in integers: at L = 10**18, L / B in floating point is no longer exact
+    c = -(-(W - 1) // B)  # key tiles a full window reaches back, beyond the diagonal one
+    k = min(c, n - 1)
+    return n + k * (k + 1) // 2 + (n - 1 - k) * c  # Σ_{i<n} (min(i, c) + 1)
+    # Linear in L once n > c: about n·(c + 1) tiles, against n(n + 1)/2 for plain causal. W >= L gives
+    # c >= n - 1 and n(n + 1)/2 (the notebook's causal picture); W = 1 gives c = 0 and n (the diagonal only).
+    # A Gemma 3 sliding layer (W = 512) at 32k tokens in 128 x 128 tiles: n = 256, c = 4, 1270 tiles instead of
+    # 32 896, 3.9% of causal flash's work, and the share halves again each time the context doubles. Note the
+    # off-by-one: with i - W < j (W keys, itself included) the window reaches W - 1 keys back, not W.
 
 
 # ------------------------------------------------------------------ Exercise 4
@@ -87,8 +101,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     for i in range(-(-length // block_size)):
         filled = min(block_size, length - i * block_size)  # the last block may be partly filled
         keys, values = k_pool[block_table[i], :filled], v_pool[block_table[i], :filled]  # read in place
-        state = online_update(state, q[None], keys, values, torch.ones(1, filled, dtype=torch.bool),
-                              1 / math.sqrt(hd))
+        state = online_update(state, q[None] @ keys.T / math.sqrt(hd), values)
     m, l, acc = state
     return (acc / l[:, None])[0]
 
@@ -96,22 +109,35 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
 # ------------------------------------------------------------------ Exercise 5
 
 
-def online_softmax(tiles) -> tuple[torch.Tensor, torch.Tensor]:
+def online_softmax_without_rescale(tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """Exercise 5: Online softmax by hand"""
     m, l = torch.tensor(float("-inf")), torch.tensor(0.0)
     for tile in tiles:
         m_new = torch.maximum(m, tile.max())
         if m_new == float("-inf"):  # nothing visible yet: exp(-inf - (-inf)) would be NaN, and there is nothing to add
             continue
-        # The sum so far was taken against the old maximum: exp(x - m) = exp(x - m_new) · exp(m - m_new).
-        l = l * torch.exp(m - m_new) + torch.exp(tile - m_new).sum()
+        l = l + torch.exp(tile - m_new).sum()  # BROKEN on purpose: the correct loop has l * torch.exp(m - m_new) here
         m = m_new
     return m, l
-    # Subtracting the maximum keeps every exp(x - m) in (0, 1]: no overflow, whatever the scores. The running
-    # version never needs all scores at once, which is what lets flash attention (exercise 2) stream the keys
-    # tile by tile: the same rescaling is applied to the output accumulator, acc · exp(m - m_new). m is the
-    # exact maximum (max is exact in floating point), so exp(x - m) are the very floats torch.softmax computes;
-    # only the sum l is added up in another order, which changes its last bits at most.
+
+
+def predict_rescale_error() -> dict[str, float]:
+    """Exercise 5: Online softmax by hand"""
+    e = math.exp
+    return {
+        "largest first": 1.0,  # the maximum is reached in the first tile and never grows: nothing is left out
+        "rising": 4 / (1 + e(-1) + e(-2) + e(-3)),  # each score is a new maximum: broken l = 1 + 1 + 1 + 1
+        "late jump": 4 / (1 + 3 * e(-10)),  # 3 (the zeros, against m = 0) + 1; the truth counts them at e^-10
+        "masked first tile": 1.0,  # m grows from -inf, but then l = 0: the missing factor multiplies nothing
+    }
+    # Without the rescale each tile's terms stay measured against m_t, the maximum after that tile, so
+    # l_broken = Σ_t exp(m - m_t) · S_t with S_t = Σ_{s in tile t} exp(s - m) and Σ_t S_t = l_true: the ratio
+    # l_broken / l_true is a weighted mean of exp(m - m_t) >= 1, equal to 1 exactly when no tile with a finite
+    # score comes before the final maximum. Every probability exp(s - m) / l_broken is too small by that same
+    # factor, so they sum to l_true / l_broken < 1 (0.39 for "rising", 0.25 for "late jump": the key holding
+    # nearly all the weight gets a quarter of it). A test whose largest score sits in the first tile cannot see
+    # the bug; random scores in many tiles, or rising ones, do. In flash attention acc misses the same factor,
+    # and out = acc / l cancels part of it: each earlier tile's values are over-weighted by exp(m - m_t).
 
 
 # ------------------------------------------------------------------ Exercise 6

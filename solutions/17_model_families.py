@@ -14,11 +14,27 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (normalized * (1.0 + weight.float())).to(x.dtype)  # scale in float32, cast last
 
 
-def sliding_window_mask(positions: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
     """Exercise 2: The sliding-window mask"""
-    columns = torch.arange(num_keys)  # key j sits at column j, which is its position
-    delta = positions[:, :, None] - columns  # [B, T, S]: how far back each key lies
-    return (delta >= 0) & (delta < window)
+    keys = key_positions[:, None, :]  # [B, 1, S]: the position each column holds, whatever the column's index
+    delta = query_positions[:, :, None] - keys  # [B, T, S]: how far back each key lies
+    return (keys >= 0) & (delta >= 0) & (delta < window)  # a written slot, not the future, inside the window
+    # Without `keys >= 0` an empty slot (-1) looks like a key one position before 0, inside the window of every
+    # query at position < window - 1. The column index says nothing once the ring has wrapped: column 0 holds
+    # position 0, then S, then 2S, ...
+
+
+def rolling_cache_slots(window: int, chunk: int) -> int:
+    """Exercise 2: The sliding-window mask"""
+    return window - 1 + chunk
+    # The chunk's first query, at p, needs positions p - window + 1 .. p; its last token, p + chunk - 1, is written
+    # before anyone attends. The ring must hold p - window + 1 .. p + chunk - 1 at once: window - 1 + chunk slots.
+    # A decode step (chunk 1) needs exactly `window`: W - 1 past keys and its own. That is transformers'
+    # DynamicSlidingWindowLayer: it keeps the last W - 1 keys between steps and hands attention W - 1 + T (its
+    # StaticSlidingWindowLayer keeps W and rolls for a decode step). Under `<=` (W + 1 keys, itself included) every
+    # count grows by one. Mixing the two rules hides well: a `<=` mask over a ring of W slots decodes one token at a
+    # time exactly like `<` (the extra key's slot already holds the new token), and differs only for steps of
+    # several tokens, and only once the prompt is longer than the window: the check runs both, three windows long.
 
 
 def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -44,6 +44,16 @@ def schema_to_regex(schema: dict) -> str:
     return r"\{" + ",".join(members) + r"\}"  # every property required, in the schema's order
 
 
+def predicted_distortion() -> dict[str, dict[str, float]]:
+    """Exercise 3: Predict the distortion"""
+    # Masked: the first step allows "a" and "b" ("c" starts no word of ac|b), renormalised: a 0.9 / 0.99, b 0.09 / 0.99.
+    # After "a" only "c" is allowed, so its 0.01 becomes 1: "ac" keeps all of the first step's 10/11.
+    # Conditioned: the model's own probabilities of the two outputs, EOS included: "ac" 0.9 * 0.01 * 1 = 0.009,
+    # "b" 0.09 * 1 = 0.09; renormalised over the two, 1/11 and 10/11. The mask exactly reverses the model's preference:
+    # it commits to "a" before it learns that "a" leads only to a token the model almost never writes.
+    return {"masked": {"ac": 10 / 11, "b": 1 / 11}, "conditioned": {"ac": 1 / 11, "b": 10 / 11}}
+
+
 def masked_output_probabilities(next_probs, pattern: str, vocabulary: list[str], eos: str = "") -> dict[str, float]:
     """Exercise 3: Predict the distortion"""
     # Token-level masking renormalises at every step over the tokens that keep a viable prefix: the probability of

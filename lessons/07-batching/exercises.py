@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch  # noqa: F401
 
-from minillm.cache.kv_cache import DynamicCache  # noqa: F401  (exercise 4)
+from minillm.model.attention import causal_mask_lower_right, set_attention_backend  # noqa: F401  (exercise 4)
 from minillm.runtime.batching import attention_mask, pad_left  # noqa: F401  (exercise 4)
 from minillm.runtime.session import DecodeSession  # noqa: F401  (exercise 3)
 
@@ -56,16 +56,51 @@ def greedy_per_row_eos(model, prompts: list[list[int]], eos_ids: list[int], max_
     raise NotImplementedError
 
 
-def greedy_left_padded(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Exercise 4: A left-padded cached loop
+def predicted_nan_rows() -> dict[str, list[bool]]:
+    """Exercise 4: Break the diagonal
 
-    transformers' layout: left-pad once with `pad_left`, keep one `DynamicCache` for the whole batch
-    (one length for every row) and call `model(tokens, positions, cache=cache, mask=mask)` yourself.
-    Prefill: the padded prompts with `attention_mask(valid, L)`. Each step: append one True column
-    to `valid`, build `attention_mask(valid, 1)` and give every row the position after its previous
-    one. Greedy, no EOS: every row makes `max_new_tokens` tokens.
+    Write your prediction as literals, before you run anything: running your code is checking, not
+    predicting. The experiment: prompts of 3, 17, 1 and 9 tokens, left-padded into one batch
+    (`pad_left`), one prefill forward of tiny Llama (`tiny_pair("llama", n_layer=...)`, no cache)
+    with the mask of `mask_without_own_column` below: `attention_mask`'s rule with the s = t term
+    dropped. For each case, which rows' logits at their REAL tokens contain a NaN?
 
-    Returns each row's new tokens. The check compares with `generate` and with transformers'
-    batched `generate` on the same weights.
+        "sdpa, 2 layers":    the default attention backend (PyTorch's SDPA), the 2-layer model
+        "softmax, 1 layer":  your `softmax_attention` as every layer's backend, a 1-layer model
+        "softmax, 2 layers": your `softmax_attention`, the 2-layer model
+
+    Returns {case: [one bool per row, True where that row's real logits hold a NaN]}. The check runs
+    the three cases (with its own textbook attention) and compares.
+    """
+    raise NotImplementedError
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
+    """Exercise 4: Break the diagonal
+
+    Attention as the textbook writes it, as a backend the model can run (`set_attention_backend(model,
+    softmax_attention)`; the calling convention is in minillm/model/attention.py): q [B, H, T, hd];
+    k, v [B, KV, S, hd], query head h reading KV head h // (H // KV); step.mask bool [B, T, S], True
+    where a query may see a key, or None for causal attention with the T queries the last T of the S
+    keys. Scores q . k / sqrt(hd), -inf where the mask says no, softmax over the keys, times v.
+    Returns [B, H, T, hd].
+
+    Add no guard for a query that may see no key at all (no nan_to_num, no clamping): what such a row
+    becomes, and where it goes, is the experiment. The check runs the tiny models through it and
+    compares with SDPA.
+    """
+    raise NotImplementedError
+
+
+def mask_without_own_column(key_valid: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """Exercise 4: Break the diagonal
+
+    `minillm.runtime.batching.attention_mask` without its s = t term: query t sees key s only when s
+    is at or before t (lower-right causal, the T queries the last T of the S columns) AND key s is a
+    real token; a query no longer sees its own column just because it is its own. key_valid: bool
+    [B, S]. Returns bool [B, T, S], T = num_queries.
+
+    Then run the experiment of `predicted_nan_rows` with your backend, and once more with
+    `attention_mask`: look where the NaN appears, and at what the s = t term gives back.
     """
     raise NotImplementedError

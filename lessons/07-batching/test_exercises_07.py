@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from minillm.model.attention import AttentionStep, causal_mask_lower_right, set_attention_backend
 from minillm.model.tiny import tiny_pair
-from minillm.runtime.batching import length_sorted_chunks, pad_left
+from minillm.runtime.batching import attention_mask, length_sorted_chunks, pad_left
 from minillm.strategies.generate import generate
 
 
@@ -91,12 +92,92 @@ def test_exercise_3_per_row_stops_on_the_session(answers, pair):
     assert batch_sizes == running, f"rows per forward {batch_sizes}, unfinished rows {running}"
 
 
-def test_exercise_4_a_left_padded_cached_loop(answers, pair):
-    hf_model, model = pair
-    prompts = random_prompts([3, 17, 1, 9], seed=2)
-    got = answers.greedy_left_padded(model, prompts, 8)
-    assert got == generate(model, prompts, max_new_tokens=8).token_ids
-    tokens, valid, _ = pad_left(prompts)
-    reference = hf_model.generate(tokens, attention_mask=valid.long(), max_new_tokens=8, do_sample=False,
-                                  pad_token_id=0, eos_token_id=None)[:, tokens.shape[1]:].tolist()
-    assert got == reference
+NAN_PROMPTS = random_prompts([3, 17, 1, 9], seed=2)  # the batch of exercise 4: row 1 is the longest, unpadded
+
+
+def textbook_attention(q, k, v, step):
+    """The check's own unguarded softmax attention, so that the predictions are checked against the truth even
+    while your `softmax_attention` is unwritten or wrong."""
+    H, KV, T, S = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    mask = step.mask[:, None] if step.mask is not None else causal_mask_lower_right(T, S, q.device)
+    weights = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf")).softmax(-1)
+    return weights @ v
+
+
+def left_padded_prefill(model, prompts, mask_rule):
+    """One forward of the left-padded batch with the mask `mask_rule(valid, L)` builds: logits [B, L, V]."""
+    tokens, valid, positions = pad_left(prompts)
+    with torch.inference_mode():
+        return model(tokens, positions, mask=mask_rule(valid, tokens.shape[1])), valid
+
+
+def nan_rows(logits, valid):
+    """Which rows hold a NaN among the logits at their real tokens."""
+    return [bool(row[real].isnan().any()) for row, real in zip(logits, valid)]
+
+
+def brute_force_mask_without_own_column(valid, num_queries):
+    B, S = valid.shape
+    mask = torch.zeros(B, num_queries, S, dtype=torch.bool)
+    for b, t, s in itertools.product(range(B), range(num_queries), range(S)):
+        mask[b, t, s] = s <= S - num_queries + t and bool(valid[b, s])
+    return mask
+
+
+def test_exercise_4_predict_where_the_nan_goes(answers):
+    predicted = answers.predicted_nan_rows()
+    truth = {}
+    for case, layers, backend in [("sdpa, 2 layers", 2, None), ("softmax, 1 layer", 1, textbook_attention),
+                                  ("softmax, 2 layers", 2, textbook_attention)]:
+        _, model = tiny_pair("llama", context_length=128, n_layer=layers)
+        if backend is not None:
+            set_attention_backend(model, backend)
+        logits, valid = left_padded_prefill(model, NAN_PROMPTS, brute_force_mask_without_own_column)
+        truth[case] = nan_rows(logits, valid)
+    assert set(predicted) == set(truth), f"predict exactly these cases: {sorted(truth)}"
+    wrong = {case: (predicted[case], truth[case]) for case in truth if list(predicted[case]) != truth[case]}
+    assert not wrong, "predicted vs measured NaN rows: " + "; ".join(f"{c}: {p} vs {t}" for c, (p, t) in wrong.items())
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])  # grouped-query heads (4 query heads on 2 KV heads) and not
+def test_exercise_4_softmax_attention_is_attention(answers, kind):
+    _, model = tiny_pair(kind, context_length=128)
+    sdpa_logits, _ = left_padded_prefill(model, NAN_PROMPTS, attention_mask)
+    sdpa_tokens = generate(model, NAN_PROMPTS, max_new_tokens=8).token_ids  # session: mask None and [B, 1, S] masks
+    set_attention_backend(model, answers.softmax_attention)
+    logits, _ = left_padded_prefill(model, NAN_PROMPTS, attention_mask)
+    torch.testing.assert_close(logits, sdpa_logits, atol=1e-4, rtol=1e-4)  # every position: padding ones too
+    assert generate(model, NAN_PROMPTS, max_new_tokens=8).token_ids == sdpa_tokens
+    # No guard: a query that may see no key at all comes out NaN (SDPA would give zeros).
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    empty = AttentionStep(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[[True, False, False], [False] * 3]]))
+    out = answers.softmax_attention(q, k, v, empty)
+    assert out.shape == (1, 4, 2, 8) and out[:, :, 1].isnan().all() and not out[:, :, 0].isnan().any()
+
+
+def test_exercise_4_break_the_diagonal(answers):
+    tokens, valid, _ = pad_left(NAN_PROMPTS)
+    L = tokens.shape[1]
+    for num_queries in (L, 3, 1):
+        broken = answers.mask_without_own_column(valid, num_queries)
+        assert torch.equal(broken, brute_force_mask_without_own_column(valid, num_queries)), num_queries
+    # A decode step's new column is real in every row: there, dropping the term changes nothing.
+    grown = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+    assert torch.equal(answers.mask_without_own_column(grown, 1), attention_mask(grown, 1))
+    # The prefill with your backend and your broken mask: the padded rows' real logits are NaN, the longest row's
+    # are untouched; with the s = t term back, every row's exact logits and tokens return.
+    hf_model, model = tiny_pair("llama", context_length=128)
+    reference, _ = left_padded_prefill(model, NAN_PROMPTS, attention_mask)
+    set_attention_backend(model, answers.softmax_attention)
+    logits, _ = left_padded_prefill(model, NAN_PROMPTS, answers.mask_without_own_column)
+    assert nan_rows(logits, valid) == [True, False, True, True], "the padded rows (3, 1, 9 tokens) turn NaN"
+    assert logits[:, L - 1].isnan().any(dim=-1).tolist() == [True, False, True, True]  # even the next-token logits
+    torch.testing.assert_close(logits[1], reference[1], atol=1e-4, rtol=1e-4)
+    fixed, _ = left_padded_prefill(model, NAN_PROMPTS, attention_mask)
+    assert not fixed.isnan().any()
+    first = [row[0] for row in generate(model, NAN_PROMPTS, max_new_tokens=1).token_ids]
+    assert fixed[:, L - 1].argmax(dim=-1).tolist() == first
+    theirs = hf_model.generate(tokens, attention_mask=valid.long(), max_new_tokens=1, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)[:, L].tolist()
+    assert first == theirs

@@ -14,15 +14,20 @@ import torch  # noqa: F401
 from minillm.runtime.session import DecodeSession  # noqa: F401  (exercise 2)
 
 
-def sequence_score(model, prompt_ids: list[int], token_ids: list[int], length_penalty: float) -> float:
-    """Exercise 1: Score a hypothesis like transformers
+def predicted_winners() -> list[int]:
+    """Exercise 1: Predict which length wins
 
-    transformers' `sequences_scores` for a finished hypothesis: the summed log-probabilities of the
-    new tokens `token_ids` (EOS included when it ended on EOS) after `prompt_ids`, divided by
-    n ** length_penalty, n = len(token_ids). Compute it with ONE forward of the model over prompt +
-    hypothesis (`model(tokens, positions)`, then `log_softmax`), not with minillm.strategies.beam.
+    Every extra token adds a negative log-probability, so an unnormalised sum favours short answers;
+    `length_penalty` is the knob that decides how much length is forgiven. Predict where it tips.
+    Write your prediction as literals, working by hand (running code is checking, not predicting).
+    Five finished hypotheses of one prompt, as (summed log-probability of the new tokens, n = how many
+    new tokens, EOS included):
 
-    The check compares with transformers' scores for its own beams on tiny models.
+        0: (-2.5, 10)    1: (-1.0, 2)    2: (-16.0, 40)    3: (-2.0, 5)    4: (-0.9, 3)
+
+    transformers ranks finished hypotheses by sum / n ** length_penalty (its `sequences_scores`; the
+    highest is returned first). Returns, for each length_penalty in [-1.0, 0.0, 0.5, 1.0, 2.0], the
+    index of the hypothesis returned first. The check computes the scores and compares.
     """
     raise NotImplementedError
 

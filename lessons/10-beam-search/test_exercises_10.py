@@ -10,7 +10,7 @@ import pytest
 
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.batching import pad_left
-from minillm.strategies.beam import beam_search
+from minillm.strategies.beam import beam_search, continuation_logprobs
 from minillm.strategies.generate import generate
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -35,19 +35,38 @@ def hf_beams(hf_model, prompt, *, num_beams, length_penalty, max_new_tokens, eos
     return rows, out.sequences_scores.tolist()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_exercise_1_score_a_hypothesis_like_transformers(answers, kind):
-    hf_model, model = tiny_pair(kind)
+HYPOTHESES = [(-2.5, 10), (-1.0, 2), (-16.0, 40), (-2.0, 5), (-0.9, 3)]  # (summed log-probability, new tokens)
+LENGTH_PENALTIES = [-1.0, 0.0, 0.5, 1.0, 2.0]
+
+
+def sequences_score(total: float, n: int, length_penalty: float) -> float:
+    """transformers' score of a finished hypothesis (generation/utils.py, `_update_finished_beams`: the summed
+    log-probabilities over (new tokens, EOS included) ** length_penalty); the check recomputes real beams with it."""
+    return total / n ** length_penalty
+
+
+def test_exercise_1_predict_which_length_wins(answers):
+    predicted = answers.predicted_winners()
+    # The truth is transformers' own rule: first recompute its beams' sequences_scores with it, from one forward
+    # each, over hypotheses of different lengths (ended by EOS and by length) at every penalty of the exercise.
+    hf_model, model = tiny_pair("gpt2")
     eos = generate(model, PROMPT, max_new_tokens=8).token_ids[0][3]  # a token the model really produces
-    ends = set()
-    for length_penalty in (-1.0, 0.0, 1.0, 2.0):
+    lengths = set()
+    for length_penalty in LENGTH_PENALTIES:
         rows, scores = hf_beams(hf_model, PROMPT, num_beams=4, length_penalty=length_penalty, max_new_tokens=10,
                                 eos=eos)
         for row, want in zip(rows, scores):
-            got = answers.sequence_score(model, PROMPT, row, length_penalty)
-            assert got == pytest.approx(want, abs=1e-4), (length_penalty, row)
-            ends.add(row[-1] == eos)
-    assert ends == {True, False}, "hypotheses ending by EOS and by length were both checked"
+            total = continuation_logprobs(model, PROMPT, row).sum().item()
+            assert sequences_score(total, len(row), length_penalty) == pytest.approx(want, abs=1e-4), row
+            lengths.add(len(row))
+    assert len(lengths) > 1
+    # Then the prediction against it.
+    truth = [max(range(len(HYPOTHESES)), key=lambda i: sequences_score(*HYPOTHESES[i], lp)) for lp in LENGTH_PENALTIES]
+    assert len(predicted) == len(LENGTH_PENALTIES), f"one index per length_penalty in {LENGTH_PENALTIES}"
+    wrong = {lp: (p, t) for lp, p, t in zip(LENGTH_PENALTIES, predicted, truth) if p != t}
+    assert not wrong, "length_penalty: predicted vs true winner: " + ", ".join(
+        f"{lp:g}: {p} vs {t} (scores {[round(sequences_score(*h, lp), 4) for h in HYPOTHESES]})"
+        for lp, (p, t) in wrong.items())
 
 
 @pytest.mark.parametrize("kind,num_beams,new_tokens", [("llama", 3, 6), ("gpt2", 5, 5), ("llama", 2, 1)])

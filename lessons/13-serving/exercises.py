@@ -6,21 +6,31 @@ exercise skips until you do. Worked answers: solutions/13_serving.py (try first!
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 
-def sse_encode(chunk: dict) -> bytes:
+
+def sse_data(chunks: Iterable[bytes]) -> Iterator[str]:
     """Exercise 1: Server-sent events
 
-    One chunk as the bytes of one server-sent event: b'data: ' + its JSON + a blank line (b'\\n\\n').
-    """
-    raise NotImplementedError
+    A streaming client must read any server's `text/event-stream`, not only the tidy `data: {json}\\n\\n` lines
+    minillm writes, and it must read it as the network delivers it: in pieces cut anywhere. Write a generator.
 
+    `chunks`: the response body as it arrives, bytes cut at arbitrary places (in the middle of a line, between
+    the \\r and the \\n of a line end, inside a multi-byte UTF-8 character). Yield the data of each event, in
+    order, as soon as the blank line that ends it has arrived (before reading the next chunk), following the
+    WHATWG rules for event streams:
+      * a line ends at \\r\\n, \\n or \\r; the stream is UTF-8;
+      * a blank line ends (dispatches) the event; an event that had no `data` line is not dispatched;
+      * a line starting with ':' is a comment; any other line is `field:value` (a line with no ':' is a field
+        with an empty value), and ONE space after the colon, if there is one, is not part of the value;
+      * only the field `data` matters here (event, id, retry and unknown fields are ignored); several `data`
+        lines in one event are joined with '\\n';
+      * an event cut off by the end of the stream (no blank line after it) is dropped.
+    Stop, without yielding it and without reading any further chunk, at an event whose data is `[DONE]`
+    (OpenAI's end of stream).
 
-def sse_decode(lines: list[str]) -> list[dict]:
-    """Exercise 1: Server-sent events
-
-    The JSON chunks of an event stream's lines, in order, stopping at 'data: [DONE]'. Blank lines separate
-    events; lines starting with ':' are comments; ignore both.
-    Example: ['data: {"a": 1}', '', 'data: [DONE]', ''] -> [{"a": 1}].
+    The check decodes the package's own encoder output cut at every byte, the WHATWG edge cases by hand, random
+    streams against the `openai` client's decoder, and a real stream from the package's server.
     """
     raise NotImplementedError
 

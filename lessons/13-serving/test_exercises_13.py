@@ -1,12 +1,15 @@
 """Checks for lesson 13's exercises: `pytest lessons/13-serving` (yours) or `--solutions`.
 
-References: JSON round trips and a real stream from the package's server (on a tiny random model with the default
-model's tokenizer), the package's own parameter mapping (`minillm.serving.openai_api.sampling_config`), the load test's
-`summarize`, a step-by-step simulation of a server's queue, and a simulated M/M/1 queue for the p99 predictions.
+References: the package's own SSE encoder (`minillm.serving.server.sse`), the WHATWG event-stream rules case by case,
+the `openai` client's SSE decoder on random streams (some written by sse-starlette's encoder), a real stream from the
+package's server (on a tiny random model with the default model's tokenizer), the package's own parameter mapping
+(`minillm.serving.openai_api.sampling_config`), the load test's `summarize`, a step-by-step simulation of a server's
+queue, and a simulated M/M/1 queue for the p99 predictions.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -17,12 +20,132 @@ from minillm.serving.loadtest import Outcome, summarize
 from minillm.serving.openai_api import CompletionRequest, sampling_config
 
 
-def test_exercise_1_events_round_trip(answers):
-    chunks = [{"choices": [{"index": 0, "text": t}]} for t in ("Hel", "lo", " \n\nworld", "")]
-    stream = b"".join(answers.sse_encode(c) for c in chunks) + b"data: [DONE]\n\n"
-    assert stream.count(b"\n\n") == len(chunks) + 1  # JSON escapes the newlines inside the text
-    lines = stream.decode().split("\n")
-    assert answers.sse_decode([": keep-alive", ""] + lines + ["data: {\"after\": 1}"]) == chunks
+def cuts(stream: bytes, rng: random.Random, random_splits: int = 20):
+    """The same stream as the network may deliver it: whole, cut once at every byte, one byte at a time, and cut at
+    random places (empty chunks included)."""
+    yield [stream]
+    for i in range(1, len(stream)):
+        yield [stream[:i], stream[i:]]
+    yield [stream[i:i + 1] for i in range(len(stream))]
+    for _ in range(random_splits):
+        points = sorted(rng.randint(0, len(stream)) for _ in range(rng.randint(1, 12)))
+        yield [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)])]
+
+
+def decode(answers, chunks):
+    return list(answers.sse_data(iter(chunks)))
+
+
+def test_exercise_1_decodes_the_package_encoder(answers):
+    import asyncio
+
+    from minillm.serving.server import sse
+
+    texts = ("Hel", "lo", " \n\nworld", "é日")  # JSON escapes the newlines (and, by default, the non-ASCII)
+    chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in texts]
+    chunks += [{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, {"choices": [], "usage": {}}]
+
+    async def written():  # what the server writes for these chunks, then `data: [DONE]`
+        async def source():
+            for chunk in chunks:
+                yield chunk
+        return [text async for text in sse(source(), on_close=lambda: None)]
+
+    stream = "".join(asyncio.run(written())).encode() + b"data: {\"after\": \"[DONE]\"}\n\n"
+    for pieces in cuts(stream, random.Random(0)):
+        assert [json.loads(d) for d in decode(answers, pieces)] == chunks, [len(p) for p in pieces]
+
+
+RULES = {  # the WHATWG event-stream rules, one case each: stream -> the data of its events
+    "one event": (b"data: a\n\n", ["a"]),
+    "crlf line ends": (b"data: a\r\n\r\ndata: b\r\n\r\n", ["a", "b"]),
+    "cr line ends": (b"data: a\r\rdata: b\r\r", ["a", "b"]),
+    "multi-line data, crlf": (b"data: first\r\ndata: second\r\n\r\n", ["first\nsecond"]),
+    "multi-line data, mixed ends": (b"data: 1\rdata: 2\ndata: 3\r\n\n", ["1\n2\n3"]),
+    "comments": (b": keep-alive\n\ndata: x\n: in the middle\ndata: y\n\n:last\n\n", ["x\ny"]),
+    "one space stripped, only one": (b"data:none\n\ndata:  two\n\ndata:\ttab\n\n", ["none", " two", "\ttab"]),
+    "colons in the value": (b'data: {"a": "b:c"}\n\n', ['{"a": "b:c"}']),
+    "empty data is still an event": (b"data\n\ndata:\n\ndata: \n\n", ["", "", ""]),
+    "other fields ignored": (b"event: delta\nid: 7\nretry: 100\nDATA: no\ndatum: no\ndata: z\n\n", ["z"]),
+    "no data, no event": (b"event: ping\n\nretry: 5\n\n\n\ndata: w\n\n", ["w"]),
+    "cut off at the end": (b"data: a\n\ndata: never ended\n", ["a"]),
+    "done stops": (b"data: a\n\ndata: [DONE]\n\ndata: after\n\n", ["a"]),
+    "utf-8": ("data: é日🙂\r\n\r\n".encode(), ["é日🙂"]),
+}
+
+
+@pytest.mark.parametrize("case", RULES)
+def test_exercise_1_the_rules_by_hand(answers, case):
+    stream, expected = RULES[case]
+    for pieces in cuts(stream, random.Random(case)):
+        assert decode(answers, pieces) == expected, pieces
+
+
+def test_exercise_1_each_event_as_soon_as_it_ends(answers):
+    pieces = [b"data: one\n", b"\n", b"data: two\r", b"\n\r\n", b": ping\n\ndata: [DO", b"NE]\n\n", b"data: late\n\n"]
+    read = []
+
+    def arriving():  # the network: each piece arrives only when the decoder asks for more
+        for i, piece in enumerate(pieces):
+            read.append(i)
+            yield piece
+
+    seen = [(data, len(read)) for data in answers.sse_data(arriving())]
+    assert seen == [("one", 2), ("two", 4)], "each event is yielded before the next piece is read"
+    assert len(read) == 6, "nothing is read after the piece that ended [DONE]"
+
+
+def random_stream(rng: random.Random) -> tuple[bytes, list[str]]:
+    """A random event stream and the data of its events: some events written by sse-starlette's encoder (multi-line
+    data, comments, other fields, any line end), some by hand (data with and without the space, comments, ignored
+    fields, events with no data), sometimes a [DONE] with an event after it."""
+    from sse_starlette.event import ServerSentEvent
+
+    def text():
+        return "".join(rng.choice("ab :é日🙂{}\"[]") for _ in range(rng.randint(0, 6)))
+
+    stream, expected = b"", []
+    for _ in range(rng.randint(1, 5)):
+        sep = rng.choice(["\n", "\r\n", "\r"])
+        if rng.random() < 0.4:
+            data = "\n".join(text() for _ in range(rng.randint(1, 3)))
+            extras = dict(comment=text()) if rng.random() < 0.5 else {}
+            if rng.random() < 0.3:
+                extras.update(event="delta", retry=rng.randint(1, 999))
+            stream += ServerSentEvent(data=data, sep=sep, **extras).encode()
+            expected.append(data)
+            continue
+        values, lines = [text() for _ in range(rng.choice([0, 1, 1, 2, 3]))], []
+        for value in values:
+            if rng.random() < 0.3:
+                lines.append(":" + text())
+            if rng.random() < 0.2:
+                lines.append(rng.choice(["event: delta", "retry: 10", "dat: x", "Data: x"]))
+            no_space = rng.random() < 0.5 and not value.startswith(" ")  # "data:" + " x" would lose the space
+            lines.append(("data:" if no_space else "data: ") + value)
+        if not values:
+            lines.append(":" + text())  # a block with no data: nothing is dispatched
+        stream += (sep.join(lines) + sep * rng.randint(2, 3)).encode()
+        if values:
+            expected.append("\n".join(values))
+    if rng.random() < 0.3:
+        stream += b"data: [DONE]\n\ndata: after\n\n"
+    return stream, expected
+
+
+def test_exercise_1_agrees_with_the_openai_clients_decoder(answers):
+    streaming = pytest.importorskip("openai._streaming")  # the official client's own WHATWG decoder
+    pytest.importorskip("sse_starlette.event")
+    rng = random.Random(1)
+    for _ in range(150):
+        stream, expected = random_stream(rng)
+        theirs = [event.data for event in streaming.SSEDecoder().iter_bytes(iter([stream]))]
+        theirs = theirs[:theirs.index("[DONE]")] if "[DONE]" in theirs else theirs
+        assert theirs == expected, stream  # the stream and its expected data agree with the client's decoder
+        points = sorted(rng.randint(0, len(stream)) for _ in range(rng.randint(1, 8)))
+        for pieces in ([stream], [stream[i:i + 1] for i in range(len(stream))],
+                       [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)])]):
+            assert decode(answers, pieces) == expected, (stream, pieces)
 
 
 def test_exercise_1_a_real_stream_decodes_to_the_whole_answer(answers):
@@ -30,15 +153,18 @@ def test_exercise_1_a_real_stream_decodes_to_the_whole_answer(answers):
     from minillm.serving.launch import BackgroundServer
     from minillm.speed.load import load_model
 
-    answers.sse_decode(["data: [DONE]"])  # skips here, before loading anything, until you answer
+    list(answers.sse_data(iter([b"data: [DONE]\n\n"])))  # skips here, before loading anything, until you answer
     _, tokenizer = load_model("default")
     _, model = tiny_pair("llama", seed=2, vocab_size=49152, context_length=128)
     body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0.8, "seed": 3}
     with BackgroundServer(model, tokenizer, num_blocks=32, block_size=8) as server:
         whole = httpx.post(server.base_url + "/completions", json=body).json()["choices"][0]["text"]
         with httpx.stream("POST", server.base_url + "/completions", json={**body, "stream": True}) as response:
-            lines = list(response.iter_lines())
-    assert "".join(c["choices"][0]["text"] for c in answers.sse_decode(lines)) == whole
+            arrived = list(response.iter_raw())  # the body's bytes, cut where the network cut them
+    stream = b"".join(arrived)
+    for pieces in (arrived, [stream[i:i + 5] for i in range(0, len(stream), 5)]):
+        chunks = [json.loads(data) for data in decode(answers, pieces)]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole
 
 
 def test_exercise_2_parameters_map_as_the_package_maps_them(answers):

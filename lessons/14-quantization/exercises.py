@@ -12,14 +12,20 @@ import numpy as np  # noqa: F401
 import torch  # noqa: F401
 
 
-def decode_q4_1_block(block: bytes) -> np.ndarray:
-    """Exercise 1: Decode a Q4_1 block by hand
+def decode_q4_0_block(block: bytes) -> np.ndarray:
+    """Exercise 1: Decode a Q4_0 block by hand
 
-    `block` is 20 bytes: float16 d (bytes 0-1, little-endian), float16 m (bytes 2-3), then 16 bytes of
-    nibbles: weight i (i < 16) is the low nibble of byte 4 + i, weight i + 16 its high nibble.
-    Return the 32 weights d·q + m as float32 [32].
+    The notebook decodes the default model's Q4_1 blocks; many GGUFs ship Q4_0 instead, which drops the
+    minimum. `block` is one Q4_0 block of 18 bytes, as ggml defines it:
 
-    Hint: np.frombuffer(block[:4], dtype=np.float16) gives d and m.
+        bytes 0-1    d (float16, little-endian)   the step; it can be negative
+        bytes 2-17   nibbles                      weight i (i < 16): the low nibble of byte 2 + i,
+                                                  weight i + 16: the high nibble of the same byte
+        w = d·(q − 8),   q in 0..15
+
+    Return the 32 weights as float32 [32]. Mind the types: a nibble read from a uint8 array is still uint8.
+    Then answer for yourself: how many bits per weight is that, and what scale and zero would hand these
+    codes to PyTorch's int4 kernel, w = (q − 8)·scale + zero, as they are?
     """
     raise NotImplementedError
 
@@ -36,16 +42,20 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     raise NotImplementedError
 
 
-def e2m1_tie_predictions() -> dict[float, float]:
+def e2m3_tie_predictions() -> dict[str, list[float]]:
     """Exercise 3: One MXFP4 block, ties to even
 
-    Part 1, predict. Each value below lies exactly halfway between two E2M1 magnitudes. OCP MX rounds
-    to nearest, ties to even: a tie goes to the neighbour whose code ends in 0. The codes:
+    Part 1, predict. The README lists every E2M1 tie and where it goes; do the same for E2M3, MXFP6's finer
+    element, which nothing in the lesson lists. E2M3 is a sign, 2 exponent bits f (bias 1) and 3 mantissa bits
+    m: 2^(f − 1)·(1 + m/8) when f > 0, the subnormal m/8 when f = 0; its 32 magnitude codes 00000 to 11111
+    run from 0 to 7.5 in ascending order, with no infinity or NaN.
 
-        0 -> 000   0.5 -> 001   1 -> 010   1.5 -> 011   2 -> 100   3 -> 101   4 -> 110   6 -> 111
-
-    Write down by hand, without running any rounding code, what each tie becomes, as
-    {0.25: ..., 0.75: ..., 1.25: ..., 1.75: ..., 2.5: ..., 3.5: ..., 5.0: ...}. Which go up, which down?
+    Between each pair of adjacent positive E2M3 values lies one tie, their midpoint. Under round to nearest,
+    ties to even, a tie goes to the neighbour whose code ends in 0. Work out, from the codes and without running
+    any rounding code (no ml_dtypes, no minillm.speed.mx_elements), which ties round up and which down, and
+    return them as {"up": [ties that round up], "down": [ties that round down]}, each tie as a float.
+    Before you list them: how many go each way, and which way does a tie between the last value of one binade
+    and the first of the next go (0.875 | 1, 1.875 | 2, 3.75 | 4)?
     """
     raise NotImplementedError
 
@@ -55,7 +65,8 @@ def mxfp4_quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
 
     Part 2, build. x [32] (finite, not all zero). The block shares a scale X = 2^(floor(log2 max|x|) − 2)
     (2 is E2M1's largest exponent); each x / X rounds to the nearest E2M1 value ±{0, 0.5, 1, 1.5, 2, 3, 4, 6},
-    ties to even as you predicted, and beyond 6 saturates at 6. Return the decoded block X · P [32].
+    ties to even (the rule of part 1, on E2M1's codes 000 to 111), and beyond 6 saturates at 6. Return the
+    decoded block X · P [32].
 
     Hint: an argmin over the eight values breaks ties towards the first one, always down. Instead, scale each
     value by the spacing of its binade (0.5 below 2, 1 in [2, 4), 2 from 4 on): torch.round rounds half to even.

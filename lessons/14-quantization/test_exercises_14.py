@@ -1,6 +1,7 @@
 """Checks for lesson 14's exercises: `pytest lessons/14-quantization` (yours) or `--solutions`.
 
-References: the `gguf` package's Q4_1 codec, PyTorch's int4 kernel, ml_dtypes' E2M1 (round to nearest even), and
+References: the `gguf` package's Q4_0 codec, PyTorch's int4 kernel, the E2M3 grid (minillm.speed.mx_elements) with
+each tie settled by brute force and cross-checked with ml_dtypes, ml_dtypes' E2M1 (round to nearest even), and
 F.cross_entropy.
 """
 
@@ -12,16 +13,36 @@ import torch
 import torch.nn.functional as F
 
 
-def test_exercise_1_a_q4_1_block_decodes_as_gguf_does(answers):
+def q4_0_blocks() -> np.ndarray:
+    """Q4_0 blocks [n, 18] that tell a right decoder from a wrong one: as llama.cpp quantizes, random, and extreme."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import quantize
 
-    weights = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
-    blocks = quantize(weights, GGMLQuantizationType.Q4_1)  # [4, 20]
-    expected = dequantize(blocks, GGMLQuantizationType.Q4_1)
-    for row in range(4):
-        decoded = answers.decode_q4_1_block(blocks[row].tobytes())
-        assert decoded.shape == (32,) and np.array_equal(decoded.astype(np.float32), expected[row])
+    rng = np.random.default_rng(1)
+    quantized = quantize(rng.standard_normal((4, 32)).astype(np.float32), GGMLQuantizationType.Q4_0)  # [4, 18]
+    scales = np.array([[0.37], [-2.5], [-6.1e-5], [6.0e-8], [-65504.0], [1.0]], np.float16)  # subnormal, fp16's max
+    random = np.concatenate([scales.view(np.uint8), rng.integers(0, 256, (6, 16), dtype=np.uint8)], axis=1)
+    extreme = np.zeros((4, 18), np.uint8)
+    extreme[:, :2] = np.array([[-0.75], [0.75], [-0.75], [3.0]], np.float16).view(np.uint8)
+    extreme[0, 2:], extreme[1, 2:], extreme[2, 2:] = 0x00, 0xFF, 0x0F  # q all 0, all 15, low 15 and high 0
+    extreme[3, 2:] = np.tile([0x8F, 0x70], 8)  # nibbles 15 8 0 7: every weight differs from its neighbours
+    return np.concatenate([quantized, random, extreme])
+
+
+def test_exercise_1_a_q4_0_block_decodes_as_gguf_does(answers):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    blocks = q4_0_blocks()
+    assert (blocks[:4, :2].copy().view(np.float16) < 0).any(), "llama.cpp's quantizer gives some blocks d < 0"
+    expected = dequantize(blocks, GGMLQuantizationType.Q4_0)  # [n, 32] float32
+    for block, reference in zip(blocks, expected):
+        decoded = np.asarray(answers.decode_q4_0_block(block.tobytes()))
+        assert decoded.shape == (32,), f"return the 32 weights of the block, not {decoded.shape}"
+        d = float(block[:2].copy().view(np.float16)[0])
+        assert np.array_equal(decoded.astype(np.float32), reference), (
+            f"block with d = {d:g}, codes {(np.concatenate([block[2:] & 15, block[2:] >> 4])).tolist()}: "
+            f"expected {reference.tolist()}, got {decoded.tolist()}")
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -54,14 +75,43 @@ def mxfp4_by_ml_dtypes(x: np.ndarray) -> np.ndarray:
     return np.clip(x / scale, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32) * scale
 
 
-def test_exercise_3_predict_which_ties_round_up(answers):
+def e2m3_ties_by_brute_force() -> dict[str, list[float]]:
+    """Every tie between adjacent positive E2M3 values, settled by searching the grid: the nearest code ending in 0."""
     import ml_dtypes
 
-    predicted = answers.e2m1_tie_predictions()
-    assert sorted(predicted) == E2M1_TIES, f"predict these ties: {E2M1_TIES}"
-    rounded = np.array(E2M1_TIES, np.float32).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
-    wrong = {tie: float(right) for tie, right in zip(E2M1_TIES, rounded) if predicted[tie] != right}
-    assert not wrong, f"these ties go the other way (tie: what it rounds to): {wrong}"
+    from minillm.speed.mx_elements import E2M3, finite_grid
+
+    values, codes = finite_grid(E2M3)  # the 32 magnitudes, ascending, and their codes
+    values, codes = values.double(), codes.long()
+    found = {"up": [], "down": []}
+    for tie in ((values[1:] + values[:-1]) / 2).tolist():
+        distance = (values - tie).abs()
+        nearest = torch.nonzero(distance == distance.min()).flatten()  # the two neighbours, equally near
+        assert len(nearest) == 2
+        (winner,) = [i for i in nearest.tolist() if codes[i] % 2 == 0]  # ties to even: the code ending in 0
+        found["up" if values[winner] > tie else "down"].append(tie)
+    # The reference itself, checked against an independent cast (ml_dtypes rounds to nearest, ties to even).
+    ties = np.array(found["up"] + found["down"], np.float32)
+    cast = ties.astype(ml_dtypes.float6_e2m3fn).astype(np.float32)
+    assert np.array_equal(cast > ties, np.arange(len(ties)) < len(found["up"]))
+    return found
+
+
+def test_exercise_3_predict_which_e2m3_ties_round_up(answers):
+    predicted = answers.e2m3_tie_predictions()
+    truth = e2m3_ties_by_brute_force()
+    assert set(predicted) == {"up", "down"}, 'return {"up": [...], "down": [...]}'
+    ties = sorted(truth["up"] + truth["down"])
+    listed = [float(tie) for tie in predicted["up"]] + [float(tie) for tie in predicted["down"]]
+    not_ties = sorted(set(listed) - set(ties))
+    missing = sorted(set(ties) - set(listed))
+    assert not not_ties, f"not midpoints of adjacent positive E2M3 values: {not_ties}"
+    assert not missing, f"{len(missing)} of the {len(ties)} ties are missing, e.g. {missing[:3]}"
+    assert len(listed) == len(ties), "list each tie once"
+    wrong = sorted(set(map(float, predicted["up"])) - set(truth["up"])) + sorted(
+        set(map(float, predicted["down"])) - set(truth["down"]))
+    assert not wrong, (f"you have {len(predicted['up'])} up and {len(predicted['down'])} down; these ties go the "
+                       f"other way: {wrong}")
 
 
 def test_exercise_3_an_mxfp4_block_rounds_ties_to_even(answers):

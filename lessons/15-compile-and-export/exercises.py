@@ -12,14 +12,25 @@ from __future__ import annotations
 import torch  # noqa: F401
 
 
-def mask_from_positions(positions: torch.Tensor, num_columns: int) -> torch.Tensor:
+def mask_from_positions(positions: torch.Tensor, num_columns: int, window: int) -> torch.Tensor:
     """Exercise 1: The mask from the positions
 
-    positions: long [B, T], the positions of T new tokens per row. Return the bool mask [B, T, S] (S =
-    num_columns) that an exported graph computes for itself: a token sees every column up to and including its
-    own position, and no column after it (those are not written yet, or hold another run's leftovers).
+    The notebook's graph computes its mask as `arange(S) <= positions`: column c holds position c. Build the mask
+    for a cache laid out differently. A sliding-window layer (Mistral; Gemma 3's local layers;
+    `ModelConfig.sliding_window`) lets the token at position p see only positions q with p − window < q <= p, so
+    its cache need not hold the whole run: a ring of S = num_columns columns keeps the token at position q in
+    column q % S, over the one S positions before it. The shape never changes, so one graph serves a run of any
+    length, past S and past the context the model was trained with.
 
-    Use tensor operations only (no Python loop, no `.item()`): the mask must be traceable into a graph.
+    positions: long [B, T], the positions of T consecutive new tokens per row (p0, p0 + 1, ..., a different p0
+    per row; each row has written every position from 0 up to p0 − 1 before). These T tokens have just been
+    written at columns positions % S. Return the bool mask [B, T, S]: True where new token t of row b may attend
+    to column c, which is when the column holds a position of this row (not a column the row has not reached yet)
+    inside token t's window and not after t. Assume S >= window + T − 1: why is that enough, and what would a
+    ring of exactly `window` columns get wrong for a chunk of T > 1 tokens?
+
+    Tensor operations only (no Python loop over values, no `.item()` or `int(...)`): the check traces your
+    function once and runs the trace at other positions, as an exported graph would.
     """
     raise NotImplementedError
 
@@ -49,14 +60,30 @@ def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     raise NotImplementedError
 
 
-def count_graphs(fn, calls: list[tuple]) -> int:
+def predict_dynamic_graphs() -> dict[str, int]:
     """Exercise 4: Count the graphs
 
-    Compile `fn` with `torch.compile` and a backend of your own that counts the graphs it is handed and returns
-    each graph unchanged (no Inductor: only tracing is measured, and it is quick). Call the compiled function
-    with each argument tuple in `calls`, in order, and return how many graphs were compiled. Pass
-    `dynamic=False`, so that every new shape or Python number compiles a new graph, as the compiled decode step
-    is set up. Start from a fresh compile (`torch._dynamo.reset()`), so earlier calls do not count.
+    The notebook and the package pass `dynamic=False`, so every new shape compiles a new graph. Predict, before
+    running anything, what torch.compile does without it. Each scenario starts from a fresh
+    `torch._dynamo.reset()`, and graphs are counted with a backend that counts the graphs it is handed (no
+    Inductor), as the notebook's `counting_inductor` does:
+
+        def scale_rows(x):              # x: float32 [T, 4], T new tokens
+            return x / x.abs().amax(-1, keepdim=True)
+
+        def times(x, n: int):           # x: float32 [4, 4], n a Python int
+            return x * n
+
+    Return a dict with one count per key:
+      "static":             torch.compile(scale_rows, dynamic=False), T = 2, 3, 4, 5, 6, 7 in turn
+      "default":            torch.compile(scale_rows) (dynamic=None, the default), T = 2, 3, 4, 5, 6, 7
+      "default_then_one":   torch.compile(scale_rows), T = 2, 3, 4, 5, 6, 7, then T = 1 (a decode token)
+      "dynamic":            torch.compile(scale_rows, dynamic=True), T = 2, 3, 4, 5, 6, 7
+      "default_int":        torch.compile(times), n = 2, 3, 4, 5, 6, 7
+
+    Read the `dynamic` argument in torch.compile's docstring, and look up "automatic dynamic shapes" and
+    "0/1 specialization". The check counts each scenario and compares. Then: why does the package pass
+    dynamic=False anyway, and what does it do instead, so that a decode loop sees only one shape?
     """
     raise NotImplementedError
 

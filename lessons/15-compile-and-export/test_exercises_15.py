@@ -1,7 +1,7 @@
 """Checks for lesson 15's exercises: `pytest lessons/15-compile-and-export` (yours) or `--solutions`.
 
-References: the session's own mask (`minillm.runtime.session.new_token_mask`), a Python loop over the columns, the
-onnxruntime runner's chunking replayed on a recording stub, and graph counts known from how dynamo specialises.
+References: a ring-buffer cache simulated write by write, a Python loop over the columns, the onnxruntime runner's
+chunking replayed on a recording stub, and graphs counted by a counting backend as dynamo hands them over.
 """
 
 from __future__ import annotations
@@ -10,19 +10,50 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.runtime.session import new_token_mask
 from minillm.speed.onnx_model import OnnxModel
 
 
-def test_exercise_1_the_mask_is_the_sessions(answers):
-    gen = torch.Generator().manual_seed(0)
-    for B, T, S in [(1, 1, 16), (1, 5, 16), (3, 4, 32), (2, 1, 7)]:
-        starts = torch.randint(0, S - T + 1, (B,), generator=gen)
-        positions = starts[:, None] + torch.arange(T)
-        mask = answers.mask_from_positions(positions, S)
-        assert mask.dtype == torch.bool and mask.shape == (B, T, S)
-        expected = new_token_mask(starts, torch.ones(T, T, dtype=torch.bool).tril(), S)
-        assert torch.equal(mask, expected), (B, T, S)
+def ring_mask_by_simulation(positions: torch.Tensor, num_columns: int, window: int) -> torch.Tensor:
+    """Write every position of each row into a ring of columns, one at a time; then read off what each query sees."""
+    B, T = positions.shape
+    mask = torch.zeros(B, T, num_columns, dtype=torch.bool)
+    for b in range(B):
+        held = [-1] * num_columns  # -1: not written by this row yet
+        for q in range(int(positions[b, -1]) + 1):
+            held[q % num_columns] = q
+        for t, p in enumerate(positions[b].tolist()):
+            for c in range(num_columns):
+                mask[b, t, c] = held[c] >= 0 and p - window < held[c] <= p
+            assert mask[b, t].sum() == min(window, p + 1)  # the ring is large enough: every key in the window kept
+    return mask
+
+
+@pytest.mark.parametrize("B, T, S, window", [(1, 1, 8, 8), (3, 1, 8, 8), (2, 4, 11, 8), (3, 4, 16, 8),
+                                             (2, 5, 12, 4), (2, 3, 3, 1)])
+def test_exercise_1_the_ring_mask_is_the_simulated_ring(answers, B, T, S, window):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gen = torch.Generator().manual_seed(B * 1000 + T * 100 + S)
+
+    def positions():
+        starts = torch.randint(0, 4 * S, (B,), generator=gen)  # rows before the ring wraps and after
+        if B > 1:
+            starts[0] = 0  # a row at the start of its run: most columns not reached yet
+            starts[-1] = max(int(starts[-1]), S - T + 1)  # a row that has gone round the ring at least once
+        return starts[:, None] + torch.arange(T)
+
+    first = positions()
+    mask = answers.mask_from_positions(first, S, window)
+    assert mask.dtype == torch.bool and mask.shape == (B, T, S)
+    assert torch.equal(mask, ring_mask_by_simulation(first, S, window)), f"positions {first.tolist()}"
+    try:  # trace once, as an exported graph is, then run the trace at other positions
+        traced = make_fx(lambda p: answers.mask_from_positions(p, S, window))(first)
+    except RuntimeError as error:
+        pytest.fail(f"the mask could not be traced into a graph (a Python value read from a tensor?): {error}")
+    for _ in range(4):
+        other = positions()
+        assert torch.equal(traced(other), ring_mask_by_simulation(other, S, window)), (
+            f"traced at {first.tolist()}, the mask is wrong at {other.tolist()}: does it bake in a Python value?")
 
 
 def test_exercise_2_the_write_replaces_exactly_the_columns(answers):
@@ -66,15 +97,28 @@ def test_exercise_3_chunks_match_the_runner(answers, chunk):
         assert got == [(start, padding) for start, size in runner.runs], (length, chunk)
 
 
-def test_exercise_4_graphs_counted_as_dynamo_compiles_them(answers):
-    def step(x, n):
-        return x * n + 1
+def _scale_rows(x):
+    return x / x.abs().amax(-1, keepdim=True)
 
-    x = torch.ones(4)
-    assert answers.count_graphs(step, [(x, 2)] * 5) == 1  # same shapes, same number: one graph
-    assert answers.count_graphs(step, [(x, 2), (x, 3), (x, 4)]) == 3  # a Python number is baked in
-    assert answers.count_graphs(step, [(torch.ones(4), 2), (torch.ones(8), 2)]) == 2  # a new shape
-    assert answers.count_graphs(step, [(x, torch.tensor(2)), (x, torch.tensor(3))]) == 1  # a tensor is an input
+
+def _times(x, n: int):
+    return x * n
+
+
+def test_exercise_4_predicted_graphs_with_dynamic_shapes_are_the_measured_ones(answers):
+    predicted = answers.predict_dynamic_graphs()
+    rows = [(torch.ones(T, 4),) for T in range(2, 8)]
+    scenarios = {  # name: (function, calls, torch.compile's `dynamic`)
+        "static": (_scale_rows, rows, False),
+        "default": (_scale_rows, rows, None),
+        "default_then_one": (_scale_rows, rows + [(torch.ones(1, 4),)], None),
+        "dynamic": (_scale_rows, rows, True),
+        "default_int": (_times, [(torch.ones(4, 4), n) for n in range(2, 8)], None),
+    }
+    assert set(predicted) == set(scenarios), f"predict exactly these scenarios: {sorted(scenarios)}"
+    measured = {name: _measured_graphs(fn, calls, dynamic) for name, (fn, calls, dynamic) in scenarios.items()}
+    wrong = {name: (predicted[name], measured[name]) for name in scenarios if predicted[name] != measured[name]}
+    assert not wrong, "predicted vs measured graphs: " + ", ".join(f"{n} {p} vs {m}" for n, (p, m) in wrong.items())
 
 
 def _step(x, cache, position):
@@ -93,7 +137,8 @@ def _step_flag(x, cache, position, greedy: bool):
     return out.round() if greedy else out
 
 
-def _measured_graphs(fn, calls) -> int:
+def _measured_graphs(fn, calls, dynamic: bool | None = False) -> int:
+    """How many graphs torch.compile(fn, dynamic=dynamic) hands its backend over `calls`, from a fresh start."""
     graphs = 0
 
     def counting_backend(graph_module, example_inputs):
@@ -102,7 +147,7 @@ def _measured_graphs(fn, calls) -> int:
         return graph_module.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=counting_backend, dynamic=False)
+    compiled = torch.compile(fn, backend=counting_backend, dynamic=dynamic)
     for args in calls:
         compiled(*args)
     torch._dynamo.reset()

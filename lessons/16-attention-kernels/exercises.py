@@ -27,32 +27,40 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     raise NotImplementedError
 
 
-def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int,
+def tiled_attention(score, v: torch.Tensor, mask: torch.Tensor, block_q: int,
                     block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exercise 2: A tiled attention loop of your own
 
-    q [T, hd]; k, v [S, hd] with T <= S; causal with the queries the last T keys: query t sees keys
-    0 .. S - T + t. Loop over tiles of `block_q` queries; for each, keep the running max m, sum l and
-    accumulator acc, and update them tile by tile over `block_k` keys (the last tiles may be shorter).
-    Do not compute a key tile that lies entirely after the query tile's last visible key.
-    Returns (out [T, hd], lse [T]).
+    Flash attention for one head under ANY mask, not only causal. mask: bool [T, S], True where query t may see
+    key s (padding, a masked band, a token tree, causal: whatever it says). v [S, hd]. The scores come only
+    from `score(q0, q1, k0, k1)`, which returns the [q1 - q0, k1 - k0] tile of q kᵀ / √hd: it stands for the
+    kernel's tile matmul, and the check counts every call.
 
-    The check compares with SDPA and torch.logsumexp over odd lengths and tile sizes.
+    Walk the grid of tiles: query tile i holds queries i·block_q .. (i+1)·block_q - 1, key tile j keys
+    j·block_k .. (j+1)·block_k - 1 (the last ones shorter). For each query tile keep the running max m, sum l
+    and accumulator acc [rows, hd], and update them key tile by key tile. Call `score` exactly once for every
+    tile in which the mask holds at least one True, and never for a tile where it holds none (read the mask
+    instead: a bool costs no product). Inside a computed tile, a row may still see nothing (a padding query,
+    a row whose first visible key lies in a later tile): its m is -inf, and the update must not make a NaN.
+
+    Returns (out [T, hd], lse [T]); a query that sees no key at all gets zeros and lse = -inf.
+
+    The notebook's `tiled` (section 3) is causal only: give it a padding mask in place of its `seen` first, and
+    watch where the NaN comes from.
     """
     raise NotImplementedError
 
 
-def causal_tiles(T: int, S: int, block_q: int, block_k: int) -> tuple[list[tuple[int, int]], float]:
+def window_tiles(L: int, B: int, W: int) -> int:
     """Exercise 3: The tiles a causal mask computes
 
-    The score matrix [T, S] under the lower-right causal mask (query t sees keys 0 .. S - T + t) is cut
-    into tiles: query tile i holds queries i·block_q .. (i+1)·block_q - 1, key tile j keys
-    j·block_k .. (j+1)·block_k - 1 (the last ones shorter). Return (tiles, share):
+    A sliding-window prefill of L tokens: query i sees key j when i - W < j <= i (W keys, itself included:
+    transformers' rule, lesson 17). The [L, L] score matrix is cut into B x B tiles (the last ones shorter).
+    Return how many tiles hold at least one visible (query, key) pair: the tiles a flash kernel computes.
 
-    - tiles: every (i, j) whose tile holds at least one visible (query, key) pair, sorted;
-    - share: the fraction of the T·S scores that those tiles cover (what a tiled kernel computes).
-
-    Example: T = S = 4, tiles of 2: [(0, 0), (1, 0), (1, 1)], share 12 / 16 = 0.75.
+    Derive it as a closed form in L, B and W, in exact integer arithmetic: no loop over tiles (the check calls
+    it with L = 10**18 and a one-second limit, where L / B in floating point is no longer exact). Hint: count
+    the key tiles one query tile touches, then sum over query tiles.
     """
     raise NotImplementedError
 
@@ -70,19 +78,34 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     raise NotImplementedError
 
 
-def online_softmax(tiles) -> tuple[torch.Tensor, torch.Tensor]:
+def online_softmax_without_rescale(tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """Exercise 5: Online softmax by hand
 
-    `tiles` is an iterator over consecutive tiles (1-D float32 tensors) of one row of scores; it can be walked
-    once. Walk it, keeping only two numbers: the running maximum m and the running sum l of exp(score - m),
-    rescaling l whenever m grows. Return (m, l) as 0-d float32 tensors, so that softmax(scores) =
-    exp(scores - m) / l and logsumexp(scores) = m + log(l).
+    BREAK the online softmax on purpose, to see what the rescale is for. `tiles` is a one-pass iterator over
+    consecutive tiles (1-D float32 tensors) of one row of scores. Walk it keeping the running maximum m and the
+    running sum l, but when m grows, do NOT rescale l by exp(m_old - m_new): add the tile's Σ exp(s - m_new)
+    to l as it stands. Keep everything else right: m is the exact maximum, a tile (even the first) may be all
+    -inf and adds nothing, a row with no finite score gives m = -inf and l = 0, and nothing is NaN.
+    Return (m, l) as 0-d float32 tensors.
 
-    Scores may be -inf (masked keys), a whole tile may be -inf (even the first one), and there may be no
-    finite score at all: then return m = -inf and l = 0. No NaN anywhere.
+    The check compares l with the broken sum computed from its definition, on rows where the maximum grows.
+    """
+    raise NotImplementedError
 
-    The check compares exp(scores - m) / l with torch.softmax in float32 (m must be the maximum exactly, so
-    the numerators are the very same floats; l may differ from torch's sum only by float32 rounding).
+
+def predict_rescale_error() -> dict[str, float]:
+    """Exercise 5: Online softmax by hand
+
+    Predict, before running anything, l_broken / l_true (the broken loop's l over the true Σ exp(s - max)) for
+    these rows, walked in tiles of the given size:
+
+        "largest first":      [4, 1, 3, 0]             tiles of 2
+        "rising":             [0, 1, 2, 3]             tiles of 1
+        "late jump":          [0, 0, 0, 10]            tiles of 3
+        "masked first tile":  [-inf, -inf, 2, 2, 1, 0] tiles of 2
+
+    Return {name: ratio} as floats; write each as an expression (math.exp is fine), not by running your loop.
+    The check computes every ratio by brute force.
     """
     raise NotImplementedError
 

@@ -22,16 +22,31 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     raise NotImplementedError
 
 
-def sliding_window_mask(positions: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
     """Exercise 2: The sliding-window mask
 
-    positions: long [B, T], each query's position; key j sits at cache column j, which is its position.
-    Return bool [B, T, num_keys]: True where query (b, t) may attend to key j: j is not in its future
-    (j <= positions[b, t]) and lies less than `window` positions back (positions[b, t] - j < window),
-    so each query sees at most `window` keys, itself included (transformers' rule).
+    The keys live in a rolling (ring-buffer) cache of S slots: position p is written to column p % S, over
+    position p - S, so a column's index is not its position. query_positions: long [B, T], each query's
+    position. key_positions: long [B, S], the position held by each column, -1 for a slot not written yet.
+    Return bool [B, T, S]: True where query (b, t) may attend to column j: the slot holds a key, the key is not
+    in the query's future, and it lies less than `window` positions back (transformers' rule: each query sees
+    at most `window` keys, itself included). Assume nothing about the order of the columns.
 
-    The check compares with a brute-force loop and runs a tiny Mistral with your mask: its logits must equal
-    transformers' MistralForCausalLM on a prompt three windows long.
+    The check compares with a brute-force loop, and decodes a tiny Mistral through a ring cache with your mask:
+    its logits must equal transformers' MistralForCausalLM on a prompt three windows long.
+    """
+    raise NotImplementedError
+
+
+def rolling_cache_slots(window: int, chunk: int) -> int:
+    """Exercise 2: The sliding-window mask
+
+    Predict the fewest slots a rolling cache needs so that a step of `chunk` new tokens can be written into it
+    (each to slot position % slots) and then attend, with no query of the step missing a key its window covers,
+    at any point of an arbitrarily long sequence (a decode step is chunk = 1). Return it as a formula in window
+    and chunk. Hint: which key does the step's first query need, and which position does its last token write?
+
+    The check finds the fewest slots by simulating the ring, and the tiny Mistral above runs on your count.
     """
     raise NotImplementedError
 

@@ -1,13 +1,15 @@
 """Checks for lesson 17's exercises: `pytest lessons/17-model-families` (yours) or `--solutions`.
 
-References: minillm's and transformers' norms, a brute-force mask and transformers' MistralForCausalLM,
-`minillm.model.weight_names.rotary_order` and GPT-J's own rotation of neighbouring pairs, the package's config
-mapping (`minillm.model.checkpoint.config_from_hf`) and transformers' Llama and Qwen2 logits.
+References: minillm's and transformers' norms; a brute-force mask over a rolling cache, a simulation of the ring
+and transformers' MistralForCausalLM; `minillm.model.weight_names.rotary_order` and GPT-J's own rotation of
+neighbouring pairs; the package's config mapping (`minillm.model.checkpoint.config_from_hf`) and transformers'
+Llama and Qwen2 logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -34,34 +36,103 @@ def test_exercise_1_gemma_norm_equals_minillm_and_transformers(answers, dtype):
         assert torch.equal(got, ours.to(dtype)(x)) and torch.equal(got, theirs.to(dtype)(x))
 
 
-def brute_force_window(positions, num_keys, window):
-    B, T = positions.shape
-    mask = torch.zeros(B, T, num_keys, dtype=torch.bool)
+def ring_positions(end, slots):
+    """The position each slot of a rolling cache holds after positions 0 .. end - 1 were written: -1 if none."""
+    held = torch.full((slots,), -1)
+    for p in range(end):
+        held[p % slots] = p
+    return held
+
+
+def brute_force_window(query_positions, key_positions, window):
+    B, T = query_positions.shape
+    mask = torch.zeros(B, T, key_positions.shape[1], dtype=torch.bool)
     for b in range(B):
         for t in range(T):
-            for j in range(num_keys):
-                mask[b, t, j] = 0 <= int(positions[b, t]) - j < window
+            for j, key in enumerate(key_positions[b].tolist()):
+                mask[b, t, j] = key >= 0 and 0 <= int(query_positions[b, t]) - key < window
     return mask
 
 
-def test_exercise_2_mask_by_brute_force(answers):
-    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15, 16]])
-    for window in (1, 3, 8):
-        got = answers.sliding_window_mask(positions, 17, window)
-        assert got.dtype == torch.bool and torch.equal(got, brute_force_window(positions, 17, window)), window
+def test_exercise_2_mask_over_a_rolling_cache_by_brute_force(answers):
+    slots, chunk = 10, 2
+    ends = (2, 13, 40)  # three rows: one that has not filled its ring, one just wrapped, one wrapped several times
+    keys = torch.stack([ring_positions(end, slots) for end in ends])  # [3, 10]
+    queries = torch.stack([torch.arange(end - chunk, end) for end in ends])  # [3, 2]: the step just written
+    shuffled = torch.randperm(slots, generator=torch.Generator().manual_seed(2))  # a paged order: any columns
+    for window in (1, 3, 8, 10):
+        for key_positions in (keys, keys[:, shuffled]):
+            got = answers.sliding_window_mask(queries, key_positions, window)
+            expected = brute_force_window(queries, key_positions, window)
+            assert got.dtype == torch.bool and got.shape == expected.shape, window
+            wrong = (got != expected).nonzero().tolist()
+            assert not wrong, (f"window {window}: (row, query, column) {wrong[0]} holds position "
+                               f"{int(key_positions[wrong[0][0], wrong[0][2]])}, the query is at "
+                               f"{int(queries[wrong[0][0], wrong[0][1]])}: expected {bool(expected[tuple(wrong[0])])}")
 
 
-def test_exercise_2_mask_gives_transformers_mistral(answers):
+def fewest_slots(window, chunk):
+    """Simulate the ring over a long sequence for 1, 2, ... slots: the first count that never loses a needed key."""
+    length = 4 * (window + chunk)
+    for slots in itertools.count(1):
+        held, enough = [-1] * slots, True
+        for start in range(0, length, chunk):
+            for p in range(start, start + chunk):
+                held[p % slots] = p
+            kept = set(held)
+            enough &= all(j in kept for q in range(start, start + chunk) for j in range(max(0, q - window + 1), q + 1))
+        if enough:
+            return slots
+
+
+def test_exercise_2_rolling_cache_slots_by_simulation(answers):
+    for window in range(1, 13):
+        for chunk in range(1, 7):
+            got, expected = answers.rolling_cache_slots(window, chunk), fewest_slots(window, chunk)
+            assert got == expected, (f"window {window}, steps of {chunk}: {expected} slots are the fewest that "
+                                     f"lose no key, you said {got}")
+
+
+class RingCache:
+    """A rolling cache for every layer: position p's keys and values go to slot p % slots, over what was there."""
+
+    def __init__(self, config, batch: int, slots: int):
+        shape = (config.n_layer, batch, config.kv_heads, slots, config.head_size)
+        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+        self.positions = torch.full((batch, slots), -1)  # [B, slots]: the position each slot holds, -1 if none
+        self.columns = None
+
+    def write(self, positions):
+        """Before a forward: the slots this step's tokens (positions [B, T]) go to."""
+        self.columns = positions % self.positions.shape[1]
+        self.positions.scatter_(1, self.columns, positions)
+
+    def update(self, layer, k, v):
+        """The model's cache call: store k, v [B, KV, T, hd] in their slots; return the ring [B, KV, slots, hd]."""
+        index = self.columns[:, None, :, None].expand_as(k)
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
+        return self.k[layer], self.v[layer]
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_exercise_2_rolling_cache_gives_transformers_mistral(answers, chunk):
     hf_model, model = tiny_pair("mistral")
     length = 3 * TINY_WINDOW
-    tokens = torch.randint(0, 96, (1, length), generator=torch.Generator().manual_seed(4))
-    positions = torch.arange(length)[None]
-    mask = answers.sliding_window_mask(positions, length, TINY_WINDOW)
+    tokens = torch.randint(0, 96, (2, length), generator=torch.Generator().manual_seed(4))
+    slots = answers.rolling_cache_slots(TINY_WINDOW, chunk)
+    ring = RingCache(model.config, 2, slots)
     for block in model.blocks:  # hand the window-free attention your mask instead of the package's
         block.attn.window = None
+    logits = []
     with torch.no_grad():
-        got = model(tokens, positions, mask=mask)
-        torch.testing.assert_close(got, hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+        for start in range(0, length, chunk):  # a prefill chunk by chunk, or (chunk 1) one token at a time
+            positions = torch.arange(start, min(start + chunk, length)).expand(2, -1)
+            ring.write(positions)
+            mask = answers.sliding_window_mask(positions, ring.positions.clone(), TINY_WINDOW)
+            logits.append(model(tokens[:, start: start + chunk], positions, cache=ring, mask=mask))
+        torch.testing.assert_close(torch.cat(logits, dim=1), hf_model(tokens).logits, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"window {TINY_WINDOW}, steps of {chunk}, {slots} slots: {m}")
 
 
 @pytest.mark.parametrize("head_dim, rotary_dim", [(8, 8), (8, 4), (16, 6), (64, 32)])

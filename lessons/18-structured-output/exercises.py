@@ -44,6 +44,26 @@ def schema_to_regex(schema: dict) -> str:
     raise NotImplementedError
 
 
+def predicted_distortion() -> dict[str, dict[str, float]]:
+    """Exercise 3: Predict the distortion
+
+    Predict first, by hand, and write the numbers down as literals (running code is checking, not
+    predicting): a mask keeps every output inside the language, but does it keep the model's
+    preferences among them? A toy model over the tokens "a", "b", "c" and EOS:
+
+        first token:          a 0.9    b 0.09   c 0.01   EOS 0
+        after "a":            a 0.98   b 0      c 0.01   EOS 0.01
+        after "b" or "ac":    EOS 1
+
+    The language is `ac|b`. Returns {"masked": {"ac": P, "b": P}, "conditioned": {"ac": P, "b": P}}:
+    the probability of each whole output under masked sampling (renormalised over the allowed
+    tokens at every step), and under the model conditioned on the language (the model's own
+    probability of each whole output, EOS included, renormalised over the outputs in the language).
+    Two decimals are enough. The check enumerates both and compares.
+    """
+    raise NotImplementedError
+
+
 def masked_output_probabilities(next_probs, pattern: str, vocabulary: list[str], eos: str = "") -> dict[str, float]:
     """Exercise 3: Predict the distortion
 
@@ -55,8 +75,7 @@ def masked_output_probabilities(next_probs, pattern: str, vocabulary: list[str],
 
     next_probs(text) -> one probability per vocabulary entry after `text`; vocabulary: the tokens'
       texts, `eos` among them. Skip branches of probability 0 (the model never takes them).
-    Returns {output text: probability}. Then predict, before running the check: with a model that
-    loves "a" first but almost never says "c" after it, and the language "ac|b", which output does
-    masking favour, and which would the model conditioned on the language favour?
+    Returns {output text: probability}. Write it after `predicted_distortion`: it computes the
+    "masked" half of that prediction for any model and language.
     """
     raise NotImplementedError

@@ -92,21 +92,50 @@ def brute_force(next_probs, pattern, vocabulary, eos, depth=6):
     return outputs
 
 
-def test_exercise_3_predict_the_distortion(answers):
-    vocabulary, eos = ["a", "b", "c", ""], ""
-    # The model loves "a" first, then wants "a" again (never allowed after it) and hates "c".
-    table = {"": [0.9, 0.09, 0.01, 0.0], "a": [0.98, 0.0, 0.01, 0.01], "b": [0.0, 0.0, 0.0, 1.0],
-             "*": [0.0, 0.0, 0.0, 1.0]}
-    model, pattern = toy_model(table), r"ac|b"
-    mine = answers.masked_output_probabilities(model, pattern, vocabulary, eos)
-    expected = brute_force(model, pattern, vocabulary, eos)
+def conditioned(next_probs, pattern, vocabulary, eos, depth=6):
+    """Every token sequence up to `depth` tokens, unmasked: the model's probability of each whole output in the
+    language, renormalised over them (the model conditioned on the language)."""
+    outputs = {}
+    for n in range(1, depth + 1):
+        for tokens in itertools.product(range(len(vocabulary)), repeat=n):
+            if vocabulary[tokens[-1]] != eos or any(vocabulary[t] == eos for t in tokens[:-1]):
+                continue
+            text, p = "", 1.0
+            for t in tokens:
+                p *= next_probs(text)[t]
+                text += vocabulary[t]
+            if p and re.fullmatch(pattern, text):
+                outputs[text] = outputs.get(text, 0.0) + p
+    total = sum(outputs.values())
+    return {text: p / total for text, p in outputs.items()}
+
+
+VOCABULARY, EOS = ["a", "b", "c", ""], ""
+# The model loves "a" first, then wants "a" again (never allowed after it) and hates "c".
+LOVES_A = {"": [0.9, 0.09, 0.01, 0.0], "a": [0.98, 0.0, 0.01, 0.01], "b": [0.0, 0.0, 0.0, 1.0],
+           "*": [0.0, 0.0, 0.0, 1.0]}
+
+
+def test_exercise_3_the_prediction(answers):
+    predicted = answers.predicted_distortion()
+    model = toy_model(LOVES_A)
+    truth = {"masked": brute_force(model, r"ac|b", VOCABULARY, EOS),
+             "conditioned": conditioned(model, r"ac|b", VOCABULARY, EOS)}
+    assert set(predicted) == set(truth), f"predict exactly {sorted(truth)}"
+    for how, outputs in truth.items():
+        assert set(predicted[how]) == set(outputs), f"{how}: the outputs are {sorted(outputs)}"
+        wrong = {text: (predicted[how][text], round(p, 4)) for text, p in outputs.items()
+                 if abs(predicted[how][text] - p) > 0.01}
+        assert not wrong, f"{how}: predicted vs enumerated {wrong}"
+
+
+def test_exercise_3_masked_output_probabilities(answers):
+    model, pattern = toy_model(LOVES_A), r"ac|b"
+    mine = answers.masked_output_probabilities(model, pattern, VOCABULARY, EOS)
+    expected = brute_force(model, pattern, VOCABULARY, EOS)
     assert mine.keys() == expected.keys() and all(abs(mine[k] - expected[k]) < 1e-9 for k in expected)
-    # the distortion: masking keeps "ac" at 0.9 / (0.9 + 0.09); conditioning on the language would not
-    conditional = {"ac": 0.9 * 0.01 * 1.0, "b": 0.09 * 1.0}  # P(output) under the model, then renormalised
-    total = sum(conditional.values())
-    assert mine["ac"] > 0.9 and conditional["ac"] / total < 0.1
     other = toy_model({"": [0.2, 0.3, 0.5, 0.0], "c": [0.3, 0.3, 0.0, 0.4], "cc": [0.1, 0.1, 0.1, 0.7],
                        "*": [0.25, 0.25, 0.25, 0.25]})
-    mine = answers.masked_output_probabilities(other, r"c{1,2}|cab?", vocabulary, eos)
-    expected = brute_force(other, r"c{1,2}|cab?", vocabulary, eos)
+    mine = answers.masked_output_probabilities(other, r"c{1,2}|cab?", VOCABULARY, EOS)
+    expected = brute_force(other, r"c{1,2}|cab?", VOCABULARY, EOS)
     assert mine.keys() == expected.keys() and all(abs(mine[k] - expected[k]) < 1e-9 for k in expected)
