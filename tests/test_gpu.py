@@ -27,6 +27,7 @@ def greedy_logits(model, steps: int = 12):
     return torch.stack(logits), session
 
 
+@pytest.mark.slow  # it compiles: out of the quick subset, as every compiling check is
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_steps_prepared_in_the_process_decode_like_eager_and_never_compile_in_the_loop(device):
     """prepare() compiles (and on a GPU captures) the decode step before the first token; the run then
