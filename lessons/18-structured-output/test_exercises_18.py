@@ -68,27 +68,32 @@ def toy_model(table):
     return lambda text: table.get(text, table["*"])
 
 
+def finished_sequences(vocabulary, eos, depth):
+    """Every token sequence of up to `depth` tokens that ends at its only EOS: the outputs a sampler can finish."""
+    for n in range(1, depth + 1):
+        for tokens in itertools.product(range(len(vocabulary)), repeat=n):
+            if vocabulary[tokens[-1]] == eos and all(vocabulary[t] != eos for t in tokens[:-1]):
+                yield tokens
+
+
 def brute_force(next_probs, pattern, vocabulary, eos, depth=6):
     """Every token sequence up to `depth` tokens: masked sampling's probability of each output."""
     outputs = {}
-    for n in range(1, depth + 1):
-        for tokens in itertools.product(range(len(vocabulary)), repeat=n):
-            if vocabulary[tokens[-1]] != eos or any(vocabulary[t] == eos for t in tokens[:-1]):
-                continue
-            text, p = "", 1.0
-            for t in tokens:
-                probs = next_probs(text)
-                allowed = [i for i, tok in enumerate(vocabulary) if
-                           (tok == eos and re.fullmatch(pattern, text)) or
-                           (tok != eos and any(re.fullmatch(pattern, text + tok + rest)
-                                               for rest in ("", "a", "b", "c", "ab", "bc", "ca", "cc")))]
-                if t not in allowed:
-                    p = 0.0
-                    break
-                p *= probs[t] / sum(probs[i] for i in allowed)
-                text += vocabulary[t]
-            if p:
-                outputs[text] = outputs.get(text, 0.0) + p
+    for tokens in finished_sequences(vocabulary, eos, depth):
+        text, p = "", 1.0
+        for t in tokens:
+            probs = next_probs(text)
+            allowed = [i for i, tok in enumerate(vocabulary) if
+                       (tok == eos and re.fullmatch(pattern, text)) or
+                       (tok != eos and any(re.fullmatch(pattern, text + tok + rest)
+                                           for rest in ("", "a", "b", "c", "ab", "bc", "ca", "cc")))]
+            if t not in allowed:
+                p = 0.0
+                break
+            p *= probs[t] / sum(probs[i] for i in allowed)
+            text += vocabulary[t]
+        if p:
+            outputs[text] = outputs.get(text, 0.0) + p
     return outputs
 
 
@@ -96,16 +101,13 @@ def conditioned(next_probs, pattern, vocabulary, eos, depth=6):
     """Every token sequence up to `depth` tokens, unmasked: the model's probability of each whole output in the
     language, renormalised over them (the model conditioned on the language)."""
     outputs = {}
-    for n in range(1, depth + 1):
-        for tokens in itertools.product(range(len(vocabulary)), repeat=n):
-            if vocabulary[tokens[-1]] != eos or any(vocabulary[t] == eos for t in tokens[:-1]):
-                continue
-            text, p = "", 1.0
-            for t in tokens:
-                p *= next_probs(text)[t]
-                text += vocabulary[t]
-            if p and re.fullmatch(pattern, text):
-                outputs[text] = outputs.get(text, 0.0) + p
+    for tokens in finished_sequences(vocabulary, eos, depth):
+        text, p = "", 1.0
+        for t in tokens:
+            p *= next_probs(text)[t]
+            text += vocabulary[t]
+        if p and re.fullmatch(pattern, text):
+            outputs[text] = outputs.get(text, 0.0) + p
     total = sum(outputs.values())
     return {text: p / total for text, p in outputs.items()}
 
