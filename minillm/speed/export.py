@@ -44,7 +44,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..base import jsonio
-from .compile import graph_forward, graph_ready_copy
+from .graph_forward import graph_forward, graph_ready_copy
 from .onnx_model import FORMAT, GRAPHS, MANIFEST, WEIGHTS, input_names, output_names
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")

@@ -1,0 +1,115 @@
+"""The forward as a graph can hold it: fixed RoPE tables, plain linears, the cache written at tensor columns (lesson 15).
+
+A traced graph cannot branch on a value it computes, and cannot grow a tensor whose
+length changes every step. These pieces rewrite the model's forward into a pure
+function of fixed-shape tensors, `graph_forward`, which both the compiled step
+(`minillm.speed.compile`) and the ONNX export (`minillm.speed.export`) trace.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..model.rope import RopeTable
+from .onednn import use_plain_linear
+
+
+class FixedRope:
+    """RoPE's cos/sin lookup over a table of fixed size, built once.
+
+    `RopeTable` grows on demand, which needs the largest position as a Python number
+    (`int(positions.max())`): a graph cannot branch on a value it computes, so the
+    traced forward uses this lookup, whose table already covers the model's context.
+    Every entry equals `RopeTable`'s (the same `build`).
+    """
+
+    def __init__(self, table: RopeTable, size: int, dtype: torch.dtype, device):
+        self.size = size
+        self.cos, self.sin = table.build(size, dtype, device, long=False)  # [size, head_dim] each
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [B, T] -> cos, sin [B, T, 1, head_dim], like RopeTable."""
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+
+def refuse_long_rope(config) -> None:
+    if config.rope_long_factor is not None:
+        raise ValueError("long-RoPE models (Phi-3 with rope_long_factor) pick their RoPE table by the largest "
+                         "position, which a fixed graph cannot do: run this model without compile/export")
+
+
+def graph_ready_copy(model):
+    """A copy of `model` that traces as one graph: plain nn.Linear, fixed RoPE tables.
+
+    The oneDNN swap (`minillm.speed.onednn`) keeps a packed weight behind a Python-side
+    check that a tracer cannot follow; a compiler packs weights for its own kernels.
+    Models whose RoPE switches tables with the length (long-RoPE) are refused: the
+    switch depends on a value inside the graph.
+    """
+    config = model.config
+    refuse_long_rope(config)
+    graph_model = use_plain_linear(copy.deepcopy(model))
+    if graph_model.rope is not None:
+        graph_model.rope = FixedRope(graph_model.rope, config.context_length, model.dtype, model.device)
+    if graph_model.rope_local is not None:
+        graph_model.rope_local = FixedRope(graph_model.rope_local, config.context_length, model.dtype, model.device)
+    return graph_model
+
+
+class ColumnWrites:
+    """The KV cache a traced forward sees: per-layer storage [B, KV, S, hd], new columns written at `columns`.
+
+    columns: long [B, T], where each row's T new keys go. `in_place=True` writes into
+    the storage (a compiled step over a StaticCache); False builds new tensors (an
+    exported graph returns its updated keys and values as outputs).
+    """
+
+    def __init__(self, keys, values, columns: torch.Tensor, in_place: bool):
+        self.keys, self.values = list(keys), list(values)
+        self.columns, self.in_place = columns, in_place
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        if self.in_place:
+            # An indexed assignment (index_put_), which Inductor writes in place: the columns and nothing
+            # else. A scatter_ on a graph input is compiled as copy out, scatter, copy back, every column.
+            rows = torch.arange(k_new.shape[0], device=k_new.device)[:, None]  # [B, 1]
+            for store, new in ((self.keys, k_new), (self.values, v_new)):
+                store[layer][rows, :, self.columns] = new.transpose(1, 2)  # indexed as [B, T, KV, hd]
+        else:
+            index = self.columns[:, None, :, None].expand_as(k_new)  # [B, KV, T, hd]
+            for store, new in ((self.keys, k_new), (self.values, v_new)):
+                store[layer] = store[layer].scatter(2, index, new)
+        return self.keys[layer], self.values[layer]
+
+
+def graph_forward(model, tokens, positions, columns, mask, logits_at, keys, values, in_place: bool):
+    """One forward over a fixed-shape cache: logits [B, K, V] and the keys and values after the write.
+
+    tokens, positions, columns: long [B, T]; mask: bool [B, T, S]; logits_at: long [B, K]
+    (positions within the T tokens) or None for all; keys, values: per-layer [B, KV, S, hd].
+    """
+    cache = ColumnWrites(keys, values, columns, in_place)
+    logits = model(tokens, positions, cache=cache, mask=mask, logits_at=logits_at)
+    return logits, cache.keys, cache.values
+
+
+class CacheStep(nn.Module):
+    """The compiled unit: one forward that writes its keys and values into the cache storage in place.
+
+    A module, so that the compiler sees the weights as the module's parameters and
+    can freeze them into constants (and prepack them for its matmuls).
+    """
+
+    def __init__(self, graph_model):
+        super().__init__()
+        self.model = graph_model
+
+    def forward(self, tokens, positions, columns, mask, logits_at, keys, values):
+        """keys, values: each layer's cache storage [B, KV, S, hd], written in place; returns logits [B, K, V]."""
+        return graph_forward(self.model, tokens, positions, columns, mask, logits_at, keys, values, True)[0]
+
+
+__all__ = ["CacheStep", "ColumnWrites", "FixedRope", "graph_forward", "graph_ready_copy", "refuse_long_rope"]
