@@ -23,6 +23,8 @@ EPILOG = """examples:
   python -m minillm.infer --prompt "Once upon a time" --no-chat --max-new-tokens 64
   python -m minillm.infer --prompt "Write a haiku" --temperature 0.8 --top-p 0.9 --seed 1
   python -m minillm.infer --model ./my-gpt2-folder --prompt "Hello" --json
+  python -m minillm.infer --prompt "In which year did the Berlin Wall fall?" --regex "(19|20)[0-9]{2}"
+  python -m minillm.infer --prompt "Give a book as JSON" --json-schema book.json
 """
 
 
@@ -100,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subtract X per occurrence among the generated tokens, in [-2, 2] (0: off)")
     s.add_argument("--seed", type=int, metavar="N", help="random seed: the same seed gives the same text")
 
+    c = p.add_argument_group("structured output (lesson 18; plain generation, greedy or sampled)")
+    c.add_argument("--json-schema", metavar="SCHEMA",
+                   help="the answer is JSON that validates against SCHEMA: the schema as JSON text, or the path of "
+                        "a file holding it; lesson 18's subset of JSON Schema (type, properties, required, items, "
+                        "enum, const, anyOf, pattern, lengths, $defs; any other keyword is refused by name); every "
+                        "token is masked to those that keep the text a valid prefix")
+    c.add_argument("--regex", metavar="PATTERN",
+                   help="the whole answer matches the regular expression PATTERN (Python's syntax without "
+                        "lookaround, backreferences or \\b)")
+
     d = p.add_argument_group("speculative decoding (lessons 08 and 11; one prompt, same output, faster)")
     d.add_argument("--speculative", choices=("model", "prompt-lookup", "lookahead"),
                    help="draft tokens with a smaller model, by copying from the context, or as a tree of the "
@@ -151,9 +163,47 @@ def sampling_config(args, eos_token_id=None) -> SamplingConfig:
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
             eos_token_id=eos_token_id, stop=tuple(args.stop), seed=args.seed,
+            json_schema=schema_text(args.json_schema), regex=args.regex,
         )
     except SamplingError as e:
         raise ValueError(f"--{e.field.replace('_', '-')} {e.value!r} is invalid: must be {e.allowed}") from None
+
+
+def schema_text(value: str | None) -> str | None:
+    """--json-schema's value as JSON text: the value itself, or the contents of the file it names."""
+    if value is None:
+        return None
+    where = "--json-schema"
+    if not value.lstrip().startswith("{") and Path(value).is_file():
+        where = f"--json-schema file {value}"
+        try:
+            value = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read {where}: {getattr(e, 'strerror', None) or e}") from None
+    elif not value.lstrip().startswith("{"):
+        raise ValueError(f"--json-schema {value!r} is neither a JSON object nor a file: pass the schema as JSON "
+                         "text or the path of a file holding it")
+    if not isinstance(_parse_json(value, where), dict):
+        raise ValueError(f"{where} must hold a JSON object (a JSON schema)")
+    return value
+
+
+def check_constraint(args, config: SamplingConfig) -> None:
+    """--json-schema / --regex go with plain generation only, and are turned into their automaton once before
+    the model loads, so a schema keyword or a pattern outside lesson 18's subset is one line naming it."""
+    from .decoding.structured import constraint_dfa
+
+    if config.constraint is None:
+        return
+    kind, source = config.constraint
+    flag = f"--{kind.replace('_', '-')}"
+    if args.speculative or args.num_beams > 1:
+        raise ValueError(f"{flag} masks each token as plain generation picks it; speculative decoding and beam "
+                         "search do not apply the mask: drop --speculative / --num-beams, or the constraint")
+    try:
+        constraint_dfa(kind, source)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def beam_options(args, config: SamplingConfig) -> dict | None:
@@ -301,6 +351,7 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} is invalid: must be >= 1")
     config = sampling_config(args)  # validate before the (slow) model load
+    check_constraint(args, config)
     beam = beam_options(args, config)
     check_flag_combinations(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain,

@@ -76,7 +76,8 @@ def ridge_batch(weight_bytes: float, bytes_per_second: float, flops_per_token: f
     # and is flat (1 / per_token) after it. B* is the machine's balance (flops per byte) divided by the model's
     # arithmetic intensity at batch 1 (flops_per_token / weight_bytes: 2 flops per parameter, 4 bytes in FP32,
     # so 0.5 flop per byte). A GPU streams ~3 TB/s and multiplies at ~500 TFLOP/s (BF16): B* is in the hundreds.
-    # This CPU's batch-1 step reads at ~16.5 GB/s and its largest batch multiplies at ~99 GFLOP/s: B* ~ 12.
+    # On the course's machine (results/batch.json, eager FP32) the batch-1 step reads at ~6.5 GB/s and the largest
+    # batch multiplies at ~46 GFLOP/s: B* ~ 15.
     # A serving engine's batch limit (max_num_seqs) pays up to about B*; beyond it a bigger batch makes every
     # request slower and the machine no faster. Real curves bend smoothly (the step is neither purely one nor the
     # other near B*), so the measured throughput already gains less than 2x per doubling a little before B*.

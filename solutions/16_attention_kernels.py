@@ -85,7 +85,7 @@ def window_tiles(L: int, B: int, W: int) -> int:
     return n + k * (k + 1) // 2 + (n - 1 - k) * c  # Σ_{i<n} (min(i, c) + 1)
     # Linear in L once n > c: about n·(c + 1) tiles, against n(n + 1)/2 for plain causal. W >= L gives
     # c >= n - 1 and n(n + 1)/2 (the notebook's causal picture); W = 1 gives c = 0 and n (the diagonal only).
-    # A Gemma 3 sliding layer (W = 512) at 32k tokens in 128 x 128 tiles: n = 256, c = 4, 1270 tiles instead of
+    # A Gemma 3 270M sliding layer (W = 512) at 32k tokens in 128 x 128 tiles: n = 256, c = 4, 1270 tiles instead of
     # 32 896, 3.9% of causal flash's work, and the share halves again each time the context doubles. Note the
     # off-by-one: with i - W < j (W keys, itself included) the window reaches W - 1 keys back, not W.
 

@@ -11,6 +11,14 @@ from hypothesis import settings
 
 from minillm.model.tiny import TINY_KINDS, tiny_pair
 
+# Under pytest-xdist (pytest.ini runs two workers) each worker computes with its share of the cores, and so do
+# the notebook kernels and command lines it starts (OMP_NUM_THREADS): two workers each running every core's
+# OpenMP team would oversubscribe the cores, and a team whose threads wait on a descheduled sibling crawls.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 # Property tests draw the same examples on every run (CI must not turn red by chance); set
 # HYPOTHESIS_PROFILE=explore to let hypothesis search new examples locally.
 settings.register_profile("repeatable", derandomize=True, deadline=None)

@@ -499,6 +499,50 @@ def test_real_model_outputs_parse_and_validate(default_model):
             jsonschema.validate(json.loads(row.text), schema)
 
 
+# ------------------------------------------------------------------ the command line: --json-schema, --regex
+
+
+def cli(capsys, *argv):
+    from minillm.infer import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--json-schema", '{"type": "object", "not": {}}'], "not"),  # a keyword outside the subset, by name
+    (["--json-schema", "no-such-schema.json"], "neither a JSON object nor a file"),
+    (["--json-schema", '{"type": "object",'], "not valid JSON"),
+    (["--regex", "a(?=b)"], "lookaround"),
+    (["--regex", "[a-z]+", "--json-schema", '{"type": "string"}'], "None when json_schema is set"),
+    (["--regex", "[a-z]+", "--speculative", "prompt-lookup"], "drop --speculative / --num-beams"),
+    (["--regex", "[a-z]+", "--num-beams", "2"], "drop --speculative / --num-beams"),
+])
+def test_cli_refuses_a_constraint_it_cannot_apply_in_one_line_before_loading(capsys, argv, named):
+    code, out, err = cli(capsys, "--prompt", "hi", "--model", "/no/such/model.gguf", *argv)  # never loaded
+    assert code == 2 and out == "" and err.count("\n") == 1 and named in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.real_model  # the CLI loads it
+def test_cli_json_schema_from_a_file_and_regex_give_valid_answers(capsys, tmp_path):
+    """The real model through the CLI: greedy and sampled answers parse and validate; a regex answer fullmatches."""
+    question, schema = HELD_OUT_REAL[0]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for options in ([], ["--temperature", "0.8", "--seed", "3"]):
+        code, out, err = cli(capsys, "--prompt", question, "--json-schema", str(path), "--json",
+                             "--max-new-tokens", "80", "--eager", *options)
+        record = json.loads(out)
+        assert code == 0 and record["finish_reason"] in ("eos", "stop"), err
+        jsonschema.validate(json.loads(record["text"]), schema)
+    pattern = r"(yes|no), because [a-z ]{5,40}\."
+    code, out, err = cli(capsys, "--prompt", "Is the sky blue?", "--regex", pattern, "--max-new-tokens", "40",
+                         "--eager")
+    assert code == 0 and re.fullmatch(pattern, out.removesuffix("\n")), (out, err)
+
+
 # ------------------------------------------------------------------ the server: response_format
 
 

@@ -27,6 +27,7 @@ from minillm.bench.cost import (
     forward_flops,
     kv_bytes_per_token,
     matmul_flops,
+    packed_step,
     predict,
     results_machine,
     weight_bytes,
@@ -102,6 +103,40 @@ def test_op_count_of_an_eager_decode_step_is_what_the_dispatcher_sees(kind):
     assert decode_step(model.config).ops == ops.total()
 
 
+def test_op_count_of_a_packed_engine_step_is_what_the_dispatcher_sees():
+    """Lesson 12's packed steps, as the engine runs them with requests coming and going: prompt chunks alone,
+    one-token rows alone, and both in one step; `packed_step` counts each step's ops exactly."""
+    from minillm.decoding.sampling import SamplingConfig
+    from minillm.runtime.engine import Engine
+
+    model = tiny_pair("llama")[1]
+    model(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]))  # the RoPE tables are built once, on the first forward
+    engine = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=64)
+    step, seen = engine.runner.step, []
+
+    def counted(packed, tokens, logits_at):
+        out = {}
+        ops = count_ops(lambda: out.setdefault("logits", step(packed, tokens, logits_at))).total()
+        decodes, chunks = len(packed.decode_queries), len(packed.chunks)
+        predicted = packed_step(model.config, tokens.numel() - decodes, decodes, chunks, keys=0).ops
+        seen.append((decodes, chunks, ops, predicted))
+        return out["logits"]
+
+    engine.runner.step = counted
+    engine.add_request([1, 2, 3, 4, 5], SamplingConfig(max_new_tokens=6, eos_token_id=()))
+    engine.step(), engine.step()
+    for prompt in ([6, 7, 8], [9, 10, 11, 12]):
+        engine.add_request(prompt, SamplingConfig(max_new_tokens=3, eos_token_id=()))
+    engine.step()
+    for prompt in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        engine.add_request(prompt, SamplingConfig(max_new_tokens=3, eos_token_id=()))
+    while engine.has_unfinished():
+        engine.step()
+    kinds = {(decodes > 0, chunks) for decodes, chunks, _, _ in seen}
+    assert {(False, 1), (True, 0), (True, 2), (True, 3)} <= kinds, kinds
+    assert [(d, c, ops) for d, c, ops, predicted in seen if ops != predicted] == []
+
+
 def test_predict_is_the_roofline_plus_overhead():
     from minillm.bench.cost import Machine
 
@@ -146,6 +181,22 @@ def test_the_rows_are_the_cost_model_applied_to_the_stored_runs():
     assert verify.predicted == pytest.approx(predict(decode_step(SMOLLM2_135M, context=200, tokens_per_row=5), machine)
                                              / predict(decode_step(SMOLLM2_135M, context=200), machine))
     assert verify.measured == stored("speculative")["verify_cost"]["4"]
+
+
+def test_every_stored_speculative_prediction_is_the_current_formula():
+    """results/speculative.json stores each run's predicted speed-up; notebook 08 prints it beside the table of
+    `comparisons('08')`: both must be `model_speedup` of the stored acceptance, verify and draft costs."""
+    from minillm.bench.speculative import model_speedup
+
+    data = stored("speculative")
+    verify = {int(k): cost for k, cost in data["verify_cost"].items()}
+    for task in data["tasks"].values():
+        for name, by_k in task["contenders"].items():
+            for k, row in by_k.items() if name.startswith("minillm ") else ():
+                share = row["acceptance_rate"]
+                if share is not None and share == share and "predicted_speedup" in row:  # NaN: nothing drafted
+                    assert row["predicted_speedup"] == pytest.approx(
+                        model_speedup(name, int(k), share, verify, data["draft_cost_ratio"])), (name, k)
 
 
 def test_no_round_keeps_more_than_its_draft_says():

@@ -33,7 +33,8 @@ def find_cycle(token_ids: list[int], context_length: int) -> tuple[int, int] | N
 
     With a sliding window of `context_length` tokens (`window_slide=1`), greedy decoding picks token t
     from the `context_length` tokens before it and nothing else: token_ids[t] = f(token_ids[t-w:t]), w =
-    context_length, for every t >= w. So once a full window repeats, everything after it repeats too.
+    context_length, for every generated t. Here the prompt is at most w tokens, so that holds for every t >= w,
+    and once a full window repeats, everything after it repeats too.
 
     token_ids: the whole sequence (prompt + generated) of such a run.
     Find the first k (w <= k <= len(token_ids)) whose window token_ids[k-w:k] equals an earlier

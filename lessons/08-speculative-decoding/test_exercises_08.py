@@ -61,7 +61,7 @@ def test_exercise_1_bigram_drafter_gives_plain_greedy(answers, tiny):
                                    eos_token_id=())
         assert out.rows[0].token_ids == plain, f"k={k}"
         drafted, accepted = drafted + out.stats.extra["drafted"], accepted + out.stats.extra["accepted"]
-    assert drafted > 0
+    assert drafted > 0 and accepted > 0  # greedy on a tiny model loops, so the bigrams it repeats are accepted
 
 
 # ------------------------------------------------------------------ Exercise 2

@@ -46,22 +46,25 @@ def to_sampling_config(body: dict, max_new_tokens: int):
     raise NotImplementedError
 
 
-def request_metrics(sent: float, chunk_times: list[float], end: float, output_tokens: int) -> dict:
-    """Exercise 3: Serving metrics and capacity
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Exercise 3: Quantiles from a scrape
 
-    One streamed request: sent at `sent`, text chunks arriving at `chunk_times`, the stream ending at `end`,
-    `output_tokens` tokens in all. Return {"ttft": first chunk - sent, "tpot": (end - first chunk) /
-    (output_tokens - 1) (None for one token), "itl": the gaps between consecutive chunks, a list}.
+    A Prometheus histogram keeps no samples, only cumulative counts: `buckets` is [(upper bound `le`, how many
+    observations were <= it)], ascending, the last bound float("inf") (its count: every observation). Return
+    the q-quantile (0 <= q <= 1) the way Prometheus' `histogram_quantile` estimates it: the rank q · total falls
+    in the first bucket whose count reaches it, and the estimate interpolates linearly inside that bucket, from
+    the previous bound (0 for the first bucket) to its own. A rank in the +Inf bucket has no upper end: return
+    the largest finite bound. No observations: return NaN.
     """
     raise NotImplementedError
 
 
-def max_request_rate(batch: int, seconds_per_step: float, mean_output_tokens: float) -> float:
-    """Exercise 3: Serving metrics and capacity
+def quantile_from_scrape(text: str, histogram: str, q: float) -> float:
+    """Exercise 3: Quantiles from a scrape
 
-    A server whose every step takes `seconds_per_step` and gives one token to each of `batch` requests, serving
-    requests of `mean_output_tokens` tokens on average (prefill ignored): the most requests per second it can
-    finish. Above it, the queue grows without bound.
+    `text` is one scrape of `GET /metrics` (Prometheus' text format); `histogram` the name of one histogram in
+    it, such as "minillm_time_to_first_token_seconds". Read its `_bucket` samples (with prometheus_client's own
+    parser, `prometheus_client.parser.text_string_to_metric_families`) and return `histogram_quantile(q, ...)`.
     """
     raise NotImplementedError
 

@@ -1,22 +1,23 @@
 """Checks for lesson 13's exercises: `pytest lessons/13-serving` (yours) or `--solutions`.
 
-References: the package's own SSE encoder (`minillm.serving.server.sse`), the WHATWG event-stream rules case by case,
+References: the package's own SSE encoder (`minillm.serving.http.sse`), the WHATWG event-stream rules case by case,
 the `openai` client's SSE decoder on random streams written field by field, a real stream from the
 package's server (on a tiny random model with the default model's tokenizer), the package's own parameter mapping
-(`minillm.serving.openai_api.sampling_config`), the load test's `summarize`, a step-by-step simulation of a server's
-queue, and a simulated M/M/1 queue for the p99 predictions.
+(`minillm.serving.openai_api.sampling_config`), Prometheus' documented `histogram_quantile` rule case by case and a
+real scrape of the server's metrics against the samples' exact quantiles, and a simulated M/M/1 queue for the p99
+predictions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import httpx
 import numpy as np
 import pytest
 
-from minillm.serving.loadtest import Outcome, summarize
 from minillm.serving.openai_api import CompletionRequest, sampling_config
 
 
@@ -39,7 +40,7 @@ def decode(answers, chunks):
 def test_exercise_1_decodes_the_package_encoder(answers):
     import asyncio
 
-    from minillm.serving.server import sse
+    from minillm.serving.http import sse
 
     texts = ("Hel", "lo", " \n\nworld", "é日")  # JSON escapes the newlines (and, by default, the non-ASCII)
     chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in texts]
@@ -170,42 +171,41 @@ def test_exercise_2_parameters_map_as_the_package_maps_them(answers):
         assert answers.to_sampling_config(body, 20) == expected, body
 
 
-def test_exercise_3_request_metrics_match_the_load_test(answers):
-    rng = random.Random(1)
-    for _ in range(20):
-        sent = rng.uniform(0, 5)
-        times = sorted(sent + rng.uniform(0.01, 3) for _ in range(rng.randint(1, 12)))
-        end = times[-1] + rng.uniform(0, 0.1)
-        tokens = len(times) + rng.randint(0, 3)
-        outcome = Outcome(sent=sent, status=200, chunk_times=times, output_tokens=tokens, end=end)
-        reference = summarize([outcome], slo_ttft=1.0, slo_tpot=1.0)
-        mine = answers.request_metrics(sent, times, end, tokens)
-        assert mine["ttft"] == pytest.approx(reference["ttft"]["p50"])
-        if tokens > 1:
-            assert mine["tpot"] == pytest.approx(reference["tpot"]["p50"])
-        assert mine["itl"] == pytest.approx([b - a for a, b in zip(times, times[1:])])
+# Prometheus' histogram_quantile, case by case from its documented rule (promql/quantile.go's bucketQuantile): the
+# rank q · total, the first bucket whose cumulative count reaches it, linear inside it from the bucket below's bound
+# (0 under the first), the largest finite bound for a rank in +Inf, NaN without observations.
+BUCKETS = [(0.1, 10.0), (0.5, 30.0), (1.0, 40.0), (math.inf, 40.0)]
+CASES = [(0.5, BUCKETS, 0.3), (0.99, BUCKETS, 0.98), (0.05, BUCKETS, 0.02), (0.25, BUCKETS, 0.1), (1.0, BUCKETS, 1.0),
+         (0.0, BUCKETS, 0.0), (0.99, [(0.1, 10.0), (0.5, 30.0), (1.0, 40.0), (math.inf, 50.0)], 1.0),
+         (0.9, [(0.1, 0.0), (0.5, 0.0), (2.0, 8.0), (math.inf, 8.0)], 1.85)]
 
 
-def simulated_throughput(batch: int, step: float, lengths: list[int]) -> float:
-    """Requests finished per second by a saturated server: every step, each of `batch` slots gets one token."""
-    queue, slots, clock, done = list(lengths), [], 0.0, 0
-    while queue or slots:
-        while queue and len(slots) < batch:
-            slots.append(queue.pop(0))
-        clock += step
-        slots = [left - 1 for left in slots]
-        done += sum(left == 0 for left in slots)
-        slots = [left for left in slots if left > 0]
-    return done / clock
+@pytest.mark.parametrize("q, buckets, expected", CASES)
+def test_exercise_3_histogram_quantile_follows_prometheus(answers, q, buckets, expected):
+    assert answers.histogram_quantile(q, buckets) == pytest.approx(expected)
 
 
-def test_exercise_3_littles_law_bounds_the_request_rate(answers):
-    assert answers.max_request_rate(16, 0.1, 50) == pytest.approx(3.2)
-    rng = random.Random(2)
-    lengths = [rng.randint(20, 80) for _ in range(3000)]
-    mean = sum(lengths) / len(lengths)
-    simulated = simulated_throughput(8, 0.05, lengths)
-    assert answers.max_request_rate(8, 0.05, mean) == pytest.approx(simulated, rel=0.02)
+def test_exercise_3_no_observations_have_no_quantile(answers):
+    assert math.isnan(answers.histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))
+
+
+def test_exercise_3_a_real_scrape_puts_p50_and_p99_in_the_true_quantiles_bucket(answers):
+    """The server's own metrics fed 2,000 lognormal TTFTs and scraped as /metrics writes them: each estimate lies in
+    the bucket that holds the samples' exact quantile (the most a histogram can say)."""
+    from minillm.serving.metrics import REQUEST_BUCKETS, ServerMetrics
+
+    metrics = ServerMetrics("m")
+    samples = np.random.default_rng(3).lognormal(mean=-1.0, sigma=1.0, size=2000)
+    for ttft in samples:
+        metrics.time_to_first_token.observe(float(ttft))
+    text = metrics.render({"requests_waiting": 0, "requests_running": 0, "blocks_total": 8, "blocks_free": 8,
+                           "prefix_hit_rate": 0.0}).decode()
+    edges = [0.0, *REQUEST_BUCKETS]
+    for q in (0.5, 0.9, 0.99):
+        exact = float(np.quantile(samples, q))
+        low, high = next((a, b) for a, b in zip(edges, edges[1:]) if a < exact <= b)
+        estimate = answers.quantile_from_scrape(text, "minillm_time_to_first_token_seconds", q)
+        assert low <= estimate <= high, (q, exact, estimate)
 
 
 def simulated_p99(arrival_rate: float, service_rate: float, n: int = 200_000, seed: int = 0) -> float:

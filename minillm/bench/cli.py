@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a small, fast version (what the notebooks and tests run)")
     suite.add_argument("--repeats", type=int, default=3,
                        help="timed rounds per contender after one warm-up (median reported, every round kept)")
-    p.add_argument("--out", type=Path, default=RESULTS,
+    p.add_argument("--out", type=Path, default=None,
                    help="folder the suites write their JSON and PNG to, and `report` reads them from "
-                        "(default: results/)")
+                        "(default: results/, and results/cuda/ for a suite run with --device cuda)")
     speculative = p.add_argument_group("speculative only")
     speculative.add_argument("--ks", type=draft_lengths, default=None, metavar="K,K,...",
                              help="draft lengths to measure, comma-separated (default: 1,2,4,8); "
@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_options(parser, args)
+    if args.out is None:  # a GPU's figures beside the CPU's, never over them
+        args.out = RESULTS / "cuda" if args.device.startswith("cuda") else RESULTS
     if args.suite == "report":
         from . import report
 

@@ -41,6 +41,12 @@ MLP_OPS = {"gated": 5, "plain": 3}  # two matmuls, the activation (and chunk, pr
 FORWARD_OPS = 7  # two constants, the token embedding, the LM head, the float32 cast of the logits ...
 ROPE_TABLE_OPS = 6  # ... the RoPE table look-up (the max position: one host sync, the two gathers)
 LEARNED_POSITION_OPS = 2  # ... or GPT-2's position embedding and its add
+# A continuous-batching step over the paged pool (lesson 12, `cache/paged.py`), on top of the plain ops; counted
+# with grouped-query heads (as SmolLM2 has) and checked against the dispatcher by tests/test_cost_model.py:
+PACKED_LAYER_OPS = 8  # per layer: the new keys written into their slots, the output buffer
+PACKED_DECODE_OPS = 18  # per layer, once for all one-token rows: their blocks gathered, masked, one batched SDPA
+PACKED_CHUNK_OPS = 16  # per layer and prompt chunk: its blocks gathered, the KV heads repeated, its causal SDPA
+PACKED_FORWARD_OPS = 3  # once per step: the packed positions and the rows whose logits are kept
 # The default model (SmolLM2-135M-Instruct), written out so a prediction needs no weights.
 SMOLLM2_135M = ModelConfig(vocab_size=49152, context_length=8192, n_layer=30, n_head=9, n_kv_head=3, d_model=576,
                            d_ff=1536, norm="rmsnorm", positions="rope", rope_theta=100000.0, mlp="swiglu", bias=False,
@@ -195,6 +201,25 @@ def decode_step(config: ModelConfig, batch: int = 1, context: int = 256, bytes_p
     yielded = tokens_per_row if acceptance is None or k == 0 else expected_tokens_per_round(acceptance, k)
     return Step(weight_bytes(config, bytes_per_weight, head_bytes_per_weight), kv, activations, flops, ops, syncs,
                 tokens=batch * yielded)
+
+
+def packed_step(config: ModelConfig, prefill_tokens: int, decode_rows: int, chunks: int, keys: int,
+                syncs: int = 2) -> Step:
+    """One continuous-batching step (lesson 12): `decode_rows` one-token rows and `chunks` prompt chunks of
+    `prefill_tokens` in all, packed into one row, reading `keys` cached keys in all; logits for every row.
+
+    The weights are read once for the whole step, however many requests share it: that is why the engine
+    packs them. The paged attention adds its writes and gathers to the plain ops (`PACKED_*_OPS`).
+    """
+    tokens = prefill_tokens + decode_rows
+    rows = decode_rows + chunks
+    matrices = 2 * config.n_layer * block_matrix_params(config) * tokens
+    attention = config.n_layer * 4 * config.n_head * config.head_size * tokens * keys / max(rows, 1)
+    flops = matrices + attention + matmul_flops(rows, config.embed_size, config.vocab_size)
+    ops = eager_ops(config, tokens) + PACKED_FORWARD_OPS + config.n_layer * (
+        PACKED_LAYER_OPS + (PACKED_DECODE_OPS if decode_rows else 0) + PACKED_CHUNK_OPS * chunks)
+    return Step(weight_bytes(config), keys * kv_bytes_per_token(config),
+                tokens * config.d_model * 4 * 2 * config.n_layer, flops, ops, syncs, tokens=rows)
 
 
 def with_bytes(step: Step, weight_bytes: float) -> Step:

@@ -31,6 +31,11 @@ def milliseconds(ms: float) -> str:
     return f"{ms:.1f}" if ms < 100 else f"{ms:.0f}"
 
 
+def seconds(value: float) -> str:
+    """'0.35 s', and three decimals below a tenth of a second (a GPU's prefill) so it does not round to 0.01."""
+    return f"{value:.2f} s" if value >= 0.1 else f"{value:.3f} s"
+
+
 def span(values, digits: int = 2, unit: str = "", scale: float = 1.0) -> str:
     """'0.80-1.09x': the range of `values` (None, an undefined value, skipped), or one value if both ends agree."""
     values = [v for v in values if v is not None]
@@ -64,9 +69,13 @@ def bold_max(cells: list[str], values: list[float]) -> list[str]:
 def machine_text(machine: dict) -> str:
     """'AMD EPYC, 2 cores, AVX2, 24 GiB (cpu), torch 2.13.0+cpu, transformers 5.23.0', from what the JSON recorded."""
     text = machine_label(machine)
-    if machine.get("memory_gib"):
-        text += f", {machine['memory_gib']:.0f} GiB"
-    text += f" ({machine['device']}), torch {machine['torch']}"
+    if "gpu" in machine:  # the GPU's name, then the host it hangs off
+        text += f" (host: {machine_label({k: v for k, v in machine.items() if k != 'gpu'})}"
+        text += f", {machine['memory_gib']:.0f} GiB)" if machine.get("memory_gib") else ")"
+    else:
+        text += f", {machine['memory_gib']:.0f} GiB" if machine.get("memory_gib") else ""
+        text += f" ({machine['device']})"
+    text += f", torch {machine['torch']}"
     if machine.get("transformers"):
         text += f", transformers {machine['transformers']}"
     return text

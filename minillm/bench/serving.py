@@ -156,9 +156,13 @@ def kv_memory(engine: Engine) -> dict:
 
 
 def engine_trace(engine: Engine) -> dict:
-    """What the plots draw from one continuous run: who was in each step, and the pool's occupancy."""
+    """What the plots draw from one continuous run: who was in each step, and the pool's occupancy; and what the
+    cost model predicts each step's time from (lesson 12's prediction): its tokens, and how long it took."""
     t0 = engine.timeline[0].start
     return {"step_start": [r.start - t0 for r in engine.timeline], "requests": [r.requests for r in engine.timeline],
+            "step_seconds": [r.seconds for r in engine.timeline],
+            "prefill_tokens": [r.prefill_tokens for r in engine.timeline],
+            "decode_tokens": [r.decode_tokens for r in engine.timeline],
             "slots_held": [r.blocks_used * engine.manager.block_size for r in engine.timeline],
             "slots_filled": [r.slots_filled for r in engine.timeline],
             "contiguous_reserved": [r.tokens_reserved for r in engine.timeline],
@@ -197,7 +201,9 @@ def run(args) -> dict:
             workload = make_workload(tokenizer, n, rate, seed=0, outputs=outputs)
             row = {"rate": rate if math.isfinite(rate) else None, "requests": n,
                    "prompt_tokens": sum(len(a.prompt_ids) for a in workload),
-                   "output_tokens": sum(a.new_tokens for a in workload)}
+                   "output_tokens": sum(a.new_tokens for a in workload),
+                   "prompt_lengths": [len(a.prompt_ids) for a in workload],  # in arrival order
+                   "output_lengths": [a.new_tokens for a in workload]}
             for way in ways_at(rate):
                 progress.set_postfix_str(f"{rate} req/s: {way}")
                 if way.startswith("continuous"):
@@ -209,6 +215,8 @@ def run(args) -> dict:
                                     forward_passes=engine.forward_passes)
                     if way == "continuous":
                         traces[str(row["rate"])] = engine_trace(engine)
+                    elif not math.isfinite(rate):  # all at once: what lesson 12 predicts the prefix cache's gain from
+                        traces[f"{row['rate']}, no prefix cache"] = engine_trace(engine)
                 else:
                     served = serve_static(model, workload, max_batch if way == "static" else 1)
                     row[way] = summarize(served, slo_ttft, slo_tpot)

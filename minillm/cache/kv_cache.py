@@ -200,14 +200,14 @@ class StaticCache(KVCache):
     def _write(self, layer, k_new, v_new):
         B, T = k_new.shape[0], k_new.shape[2]
         if B > self.k.shape[1]:
-            raise RuntimeError(f"static KV cache holds {self.k.shape[1]} rows, {B} were written: "
+            raise RuntimeError(f"static KV cache holds {self.k.shape[1]} rows, {B} were asked for: "
                                f"create it with a larger batch")
         self.batch = B
         end = self.length + T
         if end > self.max_len:
             raise RuntimeError(
                 f"static KV cache is full: it holds {self.length} of {self.max_len} tokens and {T} more were "
-                f"written; create it with a larger max_len"
+                f"asked for; create it with a larger max_len"
             )
         k_all = self.k_layers[layer][:B, :, : self.key_span(T)]  # [B, n_kv_head, S, head_dim], a view
         v_all = self.v_layers[layer][:B, :, : self.key_span(T)]

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app over the continuous-batching engine: routes, request checks, streaming.
 
 `minillm.serving.launch` builds the engine and this app and starts them (`python -m minillm.serve`
-from the command line, `BackgroundServer` in notebooks and tests):
+from the command line, `BackgroundServer` in notebooks and tests); the plumbing any such server
+needs (body limit, server-sent events, JSON errors) is `minillm.serving.http`, and how engine
+events become OpenAI's choices is `minillm.serving.choices`:
 
     python -m minillm.serve --model default --port 8000
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -34,22 +36,21 @@ authentication, so exposing it is a decision to make on purpose.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ..decoding.automaton import PatternError
-from ..decoding.logprobs import TokenLogprobs
 from ..decoding.outputs import GenerationEvent
 from ..decoding.structured import token_index
 from ..runtime.engine import Engine
-from .async_engine import AsyncEngine, EngineFailed, QueueFull, Submitted
+from .async_engine import AsyncEngine, EngineFailed, QueueFull
+from .choices import Choices
+from .http import BodyLimit, api_response, sse, validation_error
 from .metrics import ServerMetrics
 from .openai_api import (
     APIError,
@@ -68,104 +69,9 @@ from .openai_api import (
     new_id,
     refuse_unsupported,
     sampling_config,
-    usage,
 )
 
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /stats, /metrics"
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 before the app reads any of it.
-
-    Counting the bytes as they arrive (not trusting Content-Length) also bounds chunked
-    uploads, which declare no length.
-    """
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                error = APIError(413, f"the request body is over {self.max_bytes} bytes: send a shorter prompt "
-                                      f"(or start the server with a larger --max-body-mb)")
-                return await api_response(error)(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: the disconnect message, when it comes
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-@dataclass
-class Piece:
-    """What a choice shows: one event's share of it, or, added up, the whole choice."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    # One per token where logprobs are asked; None for an echoed prompt's first token, which nothing predicts.
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def extend(self, piece: "Piece") -> None:
-        self.text += piece.text
-        self.token_ids += piece.token_ids
-        self.logprobs += piece.logprobs
-        self.finish_reason = piece.finish_reason
-
-
-class Choices:
-    """One HTTP request's engine requests (n choices per prompt), as OpenAI's choice indices.
-
-    prompt_tokens counts each prompt once, however many choices share it, as OpenAI's usage does.
-    echo: each choice's prompt text, which its first piece begins with (tokens and logprobs too).
-    scoring_only (echo and logprobs with max_tokens 0): the engine draws one token to run the
-    prompt's forward, and the choices leave it out, as vLLM does.
-    """
-
-    def __init__(self, submitted: Submitted, prompts: list[list[int]], prompt_tokens: int, with_logprobs: bool,
-                 echo: list[str] | None, scoring_only: bool):
-        self.submitted, self.prompts, self.prompt_tokens = submitted, prompts, prompt_tokens
-        self.with_logprobs, self.echo, self.scoring_only = with_logprobs, echo, scoring_only
-        self.index = {request_id: i for i, request_id in enumerate(submitted.ids)}
-        self.whole = [Piece() for _ in submitted.ids]
-        self.started = [False] * len(submitted.ids)
-        self.completion_tokens = 0
-
-    def record(self, event: GenerationEvent) -> tuple[int, Piece]:
-        """The choice an event belongs to, and what it adds to it."""
-        i = self.index[event.row]
-        if self.scoring_only:
-            piece = Piece(finish_reason="length" if event.finish_reason else None)
-        else:
-            piece = Piece(event.text, event.token_ids, event.logprobs or [], event.finish_reason)
-            self.completion_tokens += len(event.token_ids)
-        if self.echo is not None and not self.started[i]:
-            prompt = self.prompts[i]
-            scored = event.prompt_logprobs or [None] * (len(prompt) - 1)  # None: it timed out before its prompt ran
-            piece = Piece(self.echo[i] + piece.text, prompt + piece.token_ids,
-                          ([None, *scored] if self.with_logprobs else []) + piece.logprobs, piece.finish_reason)
-        self.started[i] = True
-        self.whole[i].extend(piece)
-        return i, piece
-
-    def usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens)
 
 
 class OpenAIServer:
@@ -291,20 +197,6 @@ class OpenAIServer:
             yield envelope(kind, response_id, self.model_name, [], choices.usage())
 
 
-async def sse(chunks, on_close):
-    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`; an error after the
-    200 status went out becomes a last `data: {"error": ...}` chunk. `on_close()` runs however
-    the stream ends, a client's disconnect (this generator cancelled) included."""
-    try:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-    except APIError as e:
-        yield f"data: {json.dumps(e.body())}\n\n"
-    finally:
-        on_close()
-    yield "data: [DONE]\n\n"
-
-
 def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, metrics: ServerMetrics,
                request_timeout: float = 600.0, max_body_bytes: int = 2**20) -> FastAPI:
     """The FastAPI app serving `engine` (already started) under OpenAI's routes; `metrics` is fed by the engine's
@@ -387,19 +279,3 @@ def engine_stats(engine: Engine) -> dict:
     return {"requests_running": len(engine.scheduler.running), "requests_waiting": len(engine.scheduler.waiting),
             "requests_held": len(engine.requests), "blocks_total": m.num_blocks, "blocks_free": m.num_free,
             "forward_passes": engine.forward_passes, "prefix_hit_rate": engine.prefix_hit_rate}
-
-
-def validation_error(error: RequestValidationError) -> APIError:
-    """pydantic's first complaint as one line: which field, what was wrong."""
-    first = error.errors()[0]
-    where = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')}): "
-                             f"send a JSON object")
-    if not where:
-        return APIError(400, f"the body must be a JSON object: {first.get('msg')}")
-    return APIError(400, f"{'.'.join(where)}: {first.get('msg')}", param=where[0])
-
-
-def api_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), error.status, headers=error.headers)

@@ -199,7 +199,7 @@ class CompiledModel:
         lengths = cache.lengths or [0] * B
         if max(lengths) + T > cache.max_len:
             raise RuntimeError(f"static KV cache is full: it holds {max(lengths)} of {cache.max_len} tokens and "
-                               f"{T} more were written; create it with a larger max_len")
+                               f"{T} more were asked for; create it with a larger max_len")
         starts = torch.tensor(lengths, device=tokens.device)[:, None]  # [B, 1]
         columns = starts + torch.arange(T, device=tokens.device)  # [B, T]: row b's token at its length + t
         if mask is None:  # causal: a token sees the columns up to its own
