@@ -181,7 +181,11 @@ def continuous_batching(results: Path) -> list[Comparison]:
     """Lesson 12. Every request arriving at once: the engine's steps predicted one by one from what each fed, and
     static batching's from its padded prefills and its decode steps over the rows still running. Continuous batching
     wins by running fewer, fuller steps (no batch waits for its slowest row), prefix caching by feeding fewer prompt
-    tokens; the model predicts both gains from those counts alone."""
+    tokens; the model predicts both from those counts alone. Steps of mostly one-token rows take 1.5-3.5x their
+    prediction, as lesson 06's cached step does (eager kernels for a few rows stream the weights well below the
+    bandwidth probe); prompt-heavy steps are compute-bound and nearer it (1-2x, the chunks' gathers on top); static
+    batching mixes both (1-2.5x). So the model credits the decode-heavy engine with speed eager kernels do not reach,
+    and both gains come out at 0.4-1.0 of their prediction."""
     data, machine = stored("serving", results), _machine(results)
     row = next(r for r in data["rows"] if r["rate"] is None)
     cached, uncached = data["traces"]["None"], data["traces"]["None, no prefix cache"]
@@ -189,14 +193,15 @@ def continuous_batching(results: Path) -> list[Comparison]:
     continuous, recomputing = engine_seconds(cached, machine), engine_seconds(uncached, machine)
     return [
         Comparison("12", f"continuous: its {len(cached['step_seconds'])} steps", "s", continuous,
-                   sum(cached["step_seconds"]), (0.5, 2.0)),
+                   sum(cached["step_seconds"]), (1.5, 3.5)),
         Comparison("12", f"no prefix cache: its {len(uncached['step_seconds'])} steps", "s", recomputing,
-                   sum(uncached["step_seconds"]), (0.5, 2.0)),
-        Comparison("12", "static batches of 16: the whole run", "s", static, row["static"]["seconds"], (0.5, 2.0)),
+                   sum(uncached["step_seconds"]), (1.0, 2.0)),
+        Comparison("12", f"static batches of {data['max_batch']}: the whole run", "s", static,
+                   row["static"]["seconds"], (1.0, 2.5)),
         Comparison("12", "continuous / static throughput", "x", static / continuous, row["throughput_vs_static"],
-                   (0.5, 2.0)),
+                   (0.4, 1.0)),
         Comparison("12", "prefix cache's gain (no cache / cache time)", "x", recomputing / continuous,
-                   row["continuous, no prefix cache"]["seconds"] / row["continuous"]["seconds"], (0.5, 2.0)),
+                   row["continuous, no prefix cache"]["seconds"] / row["continuous"]["seconds"], (0.4, 1.0)),
     ]
 
 
@@ -246,8 +251,8 @@ def other_machine(lesson: str, results: Path = RESULTS) -> str | None:
             f"{SUITES[lesson]}` on one machine with them before reading the ratios below")
 
 
-LESSONS = {"06": kv_cache, "07": batching, "08": speculative, "11": lookahead, "14": quantization,
-           "15": compilation}
+LESSONS = {"06": kv_cache, "07": batching, "08": speculative, "11": lookahead, "12": continuous_batching,
+           "14": quantization, "15": compilation}
 
 
 
