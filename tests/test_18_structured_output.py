@@ -347,6 +347,14 @@ def test_an_unsupported_schema_names_the_keyword(schema, keyword):
     assert error.value.keyword == keyword and repr(keyword) in str(error.value)
 
 
+def test_json_object_has_the_states_the_lesson_quotes():
+    """Lesson 18's README quotes the size of `json_object`'s automaton (any JSON object, its nesting unrolled
+    ANY_DEPTH levels deep): a change to the unrolling must change the README too."""
+    from minillm.decoding.structured import constraint_dfa
+
+    assert constraint_dfa("json_schema", '{"type": "object"}').num_states == 1396
+
+
 def test_settings_check_the_constraint():
     assert SamplingConfig(json_schema={"type": "object"}).constraint == ("json_schema", '{"type": "object"}')
     assert SamplingConfig(regex="a+").constraint == ("regex", "a+")
