@@ -150,9 +150,17 @@ def replace_generated(readme: str, render_suites) -> str:
 
 
 def regenerate(readme: str, folder: Path, readme_dir: Path) -> str:
-    """The README text as `report` would write it from the JSON in `folder`."""
+    """The README text as `report` would write it from the JSON in `folder`; inside a lesson's own README a
+    section's pointers to that lesson ("(lesson 05)", "lesson 07's") read as this lesson's."""
     results = load_results(folder)
-    return replace_generated(readme, lambda suites: render(results, folder, readme_dir, suites))
+    lesson = re.match(r"(\d\d)-", readme_dir.name)
+
+    def own(text: str) -> str:
+        if lesson is None:
+            return text
+        return text.replace(f" (lesson {lesson[1]})", "").replace(f"(lesson {lesson[1]}'s ", "(this lesson's ")
+
+    return replace_generated(readme, lambda suites: own(render(results, folder, readme_dir, suites)))
 
 
 def readmes_with_blocks(readme: Path) -> list[Path]:
