@@ -8,11 +8,10 @@ set MINILLM_DEBUG=1 to see the traceback too.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from .base import jsonio
+from .base.cli_inputs import read_prompts_file, schema_text
 from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
 from .decoding.outputs import check_fits_context, encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
@@ -169,25 +168,6 @@ def sampling_config(args, eos_token_id=None) -> SamplingConfig:
         raise ValueError(f"--{e.field.replace('_', '-')} {e.value!r} is invalid: must be {e.allowed}") from None
 
 
-def schema_text(value: str | None) -> str | None:
-    """--json-schema's value as JSON text: the value itself, or the contents of the file it names."""
-    if value is None:
-        return None
-    where = "--json-schema"
-    if not value.lstrip().startswith("{") and Path(value).is_file():
-        where = f"--json-schema file {value}"
-        try:
-            value = Path(value).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read {where}: {getattr(e, 'strerror', None) or e}") from None
-    elif not value.lstrip().startswith("{"):
-        raise ValueError(f"--json-schema {value!r} is neither a JSON object nor a file: pass the schema as JSON "
-                         "text or the path of a file holding it")
-    if not isinstance(_parse_json(value, where), dict):
-        raise ValueError(f"{where} must hold a JSON object (a JSON schema)")
-    return value
-
-
 def check_constraint(args, config: SamplingConfig) -> None:
     """--json-schema / --regex go with plain generation only, and are turned into their automaton once before
     the model loads, so a schema keyword or a pattern outside lesson 18's subset is one line naming it."""
@@ -290,48 +270,6 @@ def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -
         return prompt
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-
-def read_prompts_file(path: str) -> list[str]:
-    """Prompts from a file, by its name's ending (any case):
-
-    .jsonl   one JSON object with a "prompt" field per line
-    .json    a JSON list of strings or of such objects
-    other    one prompt per line (blank lines skipped)
-
-    UTF-8, with or without a byte-order mark.
-    """
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
-    except OSError as e:
-        raise ValueError(f"cannot read --prompts-file {path}: {e.strerror}") from None
-    suffix = Path(path).suffix.lower()
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if suffix == ".jsonl":
-        return [_prompt_of(_parse_json(line, f"{path} line {n}"), f"{path} line {n}") for n, line in lines]
-    if suffix == ".json":
-        items = _parse_json(text, path)
-        if not isinstance(items, list):
-            raise ValueError(f"{path} must hold a JSON list of prompts (strings or {{\"prompt\": ...}} objects)")
-        return [_prompt_of(item, f"{path} item {i}") for i, item in enumerate(items)]
-    return [line for _, line in lines]
-
-
-def _parse_json(text: str, where: str):
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"{where} is not valid JSON ({e.msg})") from None
-
-
-def _prompt_of(item, where: str) -> str:
-    prompt = item.get("prompt") if isinstance(item, dict) else item
-    if not isinstance(prompt, str):
-        raise ValueError(f"{where} is not a JSON object with a \"prompt\" field (a string), nor a string")
-    return prompt
 
 
 def run(args) -> int:

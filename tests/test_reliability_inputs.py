@@ -73,7 +73,7 @@ def test_flags_that_need_another_flag_are_refused_not_ignored(capsys, flags, nam
     ("p.json", '["a", {"prompt": "b"}]', ["a", "b"]),
 ])
 def test_prompt_files_are_read_by_their_ending(tmp_path, name, content, prompts):
-    from minillm.infer import read_prompts_file
+    from minillm.base.cli_inputs import read_prompts_file
 
     path = tmp_path / name
     path.write_text(content, encoding="utf-8")
