@@ -22,6 +22,7 @@ precomputes the masks of tokens that do not depend on the stack and checks the r
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -205,8 +206,10 @@ def vocabulary_for(tokenizer, vocab_size: int) -> Vocabulary:
     return vocabulary
 
 
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def constraint_dfa(kind: str, source: str) -> DFA:
-    """kind "json_schema" (source: the schema as JSON text) or "regex"."""
+    """kind "json_schema" (source: the schema as JSON text) or "regex"; cached, as the command line checks a
+    constraint before the model loads and `token_index` builds the same automaton after."""
     if kind == "json_schema":
         return compile_dfa(schema_node(json.loads(source)))
     if kind == "regex":
