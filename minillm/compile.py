@@ -1,7 +1,8 @@
 """`python -m minillm.compile`: build the compiled decode graphs ahead of time, so every later run loads them.
 
 The graphs are AOTInductor packages kept under $MINILLM_HOME (`minillm.speed.graph_store`),
-one per model, quantization, batch size and cache-length bucket. `python -m minillm.infer`,
+one per model, quantization, batch size and cache-length bucket, and with --serve the
+server engine's one decode step over its paged cache. `python -m minillm.infer`,
 `generate` and the server use one whenever it is already built for their run. A CPU's: on a
 GPU the runner records its step as a CUDA graph in each run instead (`minillm.speed.cuda_graph`).
 """
@@ -17,6 +18,7 @@ EPILOG = """examples:
   python -m minillm.compile                                # the default model, batch 1, runs of up to 256 tokens
   python -m minillm.compile --quant gguf                   # the same, on the GGUF's own 4-bit blocks
   python -m minillm.compile --batch-size 1 --batch-size 8 --length 256 --length 1024
+  python -m minillm.compile --serve                         # the server's decode step (python -m minillm.serve)
   python -m minillm.compile --list                          # what is built, and how big
 """
 
@@ -39,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also build the verify graph speculative decoding needs: N = tokens drafted per round + 1 "
                         "(5 for --speculative prompt-lookup or model with the default 4; 17 for lookahead's default "
                         "decoding length 16); repeatable")
+    p.add_argument("--serve", action="store_true",
+                   help="build the server's step instead (python -m minillm.serve's engine: every request decoding "
+                        "one token over the paged KV cache, any number of requests and lengths in one graph)")
+    p.add_argument("--block-size", type=int, default=16, metavar="N",
+                   help="with --serve: the KV cache's block size the server runs with (default 16, the server's)")
     p.add_argument("--list", action="store_true", help="list the graphs built so far, and exit")
     return p
 
@@ -59,7 +66,11 @@ def run(args) -> int:
     if args.list:
         return list_graphs()
     batches, lengths, verify = args.batch_size or [1], args.length or [256], args.verify_tokens or []
-    for flag, values in (("--batch-size", batches), ("--length", lengths), ("--verify-tokens", verify or [2])):
+    if args.serve and (args.batch_size or args.length or args.verify_tokens):
+        raise ValueError("--serve builds the one server step, whose rows and lengths are not fixed: drop "
+                         "--batch-size, --length and --verify-tokens")
+    for flag, values in (("--batch-size", batches), ("--length", lengths), ("--verify-tokens", verify or [2]),
+                         ("--block-size", [args.block_size])):
         if min(values) < 1:
             raise ValueError(f"{flag} {min(values)} is invalid: must be >= 1")
     if args.quant == "none" and args.device.startswith("cuda"):
@@ -69,13 +80,16 @@ def run(args) -> int:
         raise ValueError("nothing is kept for a GPU: there `python -m minillm.infer --device cuda --compile` compiles "
                          "the decode step and records it as a CUDA graph in the run (lesson 15)")
     from .speed.compile import compile_model
-    from .speed.graph_store import StepShape
+    from .speed.graph_store import PagedShape, StepShape
     from .speed.load import load_model
 
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    shapes = {StepShape.decode(model.config, b, n) for b in batches for n in lengths}
-    shapes |= {StepShape.verify(model.config, b, t, n) for b in batches for n in lengths for t in verify}
-    shapes = sorted(shapes, key=lambda s: (s.batch, s.cache_len, s.tokens))
+    if args.serve:
+        shapes = [PagedShape(args.block_size)]
+    else:
+        shapes = {StepShape.decode(model.config, b, n) for b in batches for n in lengths}
+        shapes |= {StepShape.verify(model.config, b, t, n) for b in batches for n in lengths for t in verify}
+        shapes = sorted(shapes, key=lambda s: (s.batch, s.cache_len, s.tokens))
     compiled = compile_model(model, kept=True)
     for shape in shapes:
         seconds = compiled.prepare([shape])

@@ -19,6 +19,7 @@ EPILOG = """examples:
   python -m minillm.serve --port 8001 --max-num-seqs 32 --kv-cache-mb 512
   python -m minillm.serve --model ./my-llama-folder --served-model-name my-llama
   python -m minillm.serve --quant gguf                     # the GGUF's own 4-bit blocks (lesson 14)
+  python -m minillm.serve --compile                        # decode steps as one compiled graph (built once)
 
 then, from any OpenAI client:
   from openai import OpenAI
@@ -54,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "`python -m minillm.infer` accepts, or a local folder or GGUF file",
                     dtype_help="weights and activations: float32 (default), bfloat16, float16")
     add_quant_flag(p)
+    graphs = p.add_mutually_exclusive_group()
+    graphs.add_argument("--compile", action="store_true",
+                        help="run the engine's decode steps (every request decoding one token) as the compiled graph "
+                             "(lessons 12 and 15), building it first when it is not on disk (a few minutes on two "
+                             "cores, once; `python -m minillm.compile --serve` builds it ahead); CPU only. Without "
+                             "this flag the compiled graph runs when it is already built, else eager PyTorch; steps "
+                             "that prefill prompts always run eagerly; the path is printed at start")
+    graphs.add_argument("--eager", action="store_true",
+                        help="always run eager PyTorch, even when the compiled graph is on disk")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the name clients put in the request's 'model' field (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1",
@@ -71,9 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args) -> None:
-    """Each number against its rule in NUMBERS, and the port: a bad value is one line, before the model loads."""
+    """Each number against its rule in NUMBERS, the port and the graph mode: a bad value is one line, before the
+    model loads."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is invalid: must be in 0..65535")
+    if args.compile and args.device != "cpu":
+        raise ValueError("--compile builds the engine's step for the CPU only so far: on a GPU serve eagerly (drop "
+                         "--compile)")
     for _, flag, _, _, _, rule, _ in NUMBERS:
         value, (op, bound) = getattr(args, flag[2:].replace("-", "_")), rule.split()
         if value is not None and not (value >= float(bound) if op == ">=" else value > float(bound)):
@@ -93,11 +107,17 @@ def run(args) -> int:
         model, tokenizer, model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         request_timeout=args.request_timeout, max_body_bytes=int(args.max_body_mb * 2**20),
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching)
+        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching,
+        graph="compiled" if args.compile else "eager" if args.eager else "auto")
     runner.start()
     host, port = sock.getsockname()[:2]
+    engine = runner.engine.runner
+    path = (f"decode steps compiled (loaded or built in {engine.build_seconds:.1f} s)" if engine.graph == "compiled"
+            else "eager" + ("" if args.eager or model.device.type != "cpu" else
+                            ": `python -m minillm.compile --serve` (same --model/--dtype/--quant/--block-size) builds "
+                            "the compiled decode step once, and later starts load it"))
     print(f"minillm: serving {name!r} on http://{host}:{port}/v1 (max {max_model_len} tokens per request, "
-          f"{args.max_num_seqs} at once; Ctrl-C stops)", file=sys.stderr, flush=True)
+          f"{args.max_num_seqs} at once; path: {path}; Ctrl-C stops)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=1))
     try:
         server.run(sockets=[sock])

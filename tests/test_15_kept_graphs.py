@@ -210,3 +210,55 @@ def test_the_files_left_out_of_the_source_digest_exist_and_hold_no_forward():
     for name in graph_store.TEXT_ONLY:  # a renamed file would silently re-enter every key
         text = (root / name).read_text()
         assert "torch.nn" not in text and "import torch\n" not in text, name
+
+
+def test_the_paged_decode_step_computes_the_engine_eager_step():
+    """The function the server's graph is exported from, run as plain PyTorch: each row's key written at its slot,
+    its keys read back through its block table (two rows spanning 2 and 3 blocks, tables in no order), the same
+    logits and the same pools as the engine's eager packed step."""
+    from minillm.cache.paged import PackedSequences
+    from minillm.speed.graph_store import PagedShape
+
+    _, model = tiny_pair("llama", context_length=256)
+    runner = ModelRunner(model, cache="paged", graph="eager", num_blocks=12, block_size=4)
+    tables, prompts = [[3, 7, 1], [0, 5, 9]], [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    with torch.inference_mode():
+        packed = PackedSequences.build(tables, [0, 0], [6, 9], 4)
+        runner.step(packed, torch.tensor(prompts[0] + prompts[1]), packed.last_tokens)
+        keys, values = (list(map(torch.clone, pools)) for pools in runner.cache.slot_pools())
+        packed = PackedSequences.build(tables, [6, 9], [1, 1], 4)  # one new token each: key 7 and key 10
+        tokens = torch.tensor([21, 22])
+        expected = runner.step(packed, tokens, packed.last_tokens)  # [2, V], eager
+        step = PagedShape(4).module(compile_model(model, kept=True).step_module)
+        got = step(tokens[:, None], packed.positions[:, None], packed.slots, packed.decode_blocks, keys, values)
+    torch.testing.assert_close(got[:, 0], expected, rtol=1e-5, atol=1e-5)
+    for mine, engine in zip(keys + values, sum(map(list, runner.cache.slot_pools()), [])):
+        torch.testing.assert_close(mine, engine, rtol=1e-6, atol=1e-6)  # written in place, at the same slots
+
+
+@pytest.mark.slow
+def test_the_engine_decodes_through_one_kept_paged_graph_with_the_eager_tokens(tmp_path, monkeypatch):
+    """One package (rows, blocks and pool size symbolic) runs every step in which each request decodes: one
+    request and three, keys in one block and in many; the tokens equal the eager engine's, greedy and sampled."""
+    from minillm.decoding.sampling import SamplingConfig
+    from minillm.runtime.engine import Engine, generate_continuous
+
+    monkeypatch.setenv("MINILLM_HOME", str(tmp_path))
+    _, model = tiny_pair("llama", context_length=256)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], [2, 7], [1, 4, 1, 4, 2, 1, 3, 5, 6, 2, 3, 7, 3]]
+    configs = [SamplingConfig(max_new_tokens=n, do_sample=i == 1, seed=i, temperature=0.8)
+               for i, n in enumerate((30, 20, 9, 16))]
+    options = {"block_size": 4, "num_blocks": 64, "max_num_seqs": 3}
+    assert Engine(model, **options).runner.graph == "eager"  # "auto", the default: nothing is built yet
+    runs = {graph: generate_continuous(model, prompts, configs, arrivals=[0, 2, 2, 12],
+                                       engine_options={**options, "graph": graph}) for graph in ("eager", "compiled")}
+    eager, compiled = runs["eager"], runs["compiled"]
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats.extra["graph"] == "compiled" and compiled.stats.build_seconds > 0
+    # Prompts arrive at steps 0, 2 and 12: those three steps prefill and run eagerly, every other one compiled.
+    assert compiled.stats.extra["compiled_steps"] == compiled.stats.forward_passes - 3
+    (entry,) = (tmp_path / "graphs").iterdir()
+    assert entry.name.startswith("paged-decode-bs4-")
+    again = Engine(model, **options)  # "auto" now finds it, and loads it
+    assert again.runner.graph == "compiled" and Engine(model, **options, graph="eager").runner.graph == "eager"
+    assert Engine(model, **{**options, "block_size": 8}).runner.graph == "eager"  # another block size: not built

@@ -290,6 +290,21 @@ def test_a_table_from_another_machine_than_the_decoding_tables_says_so(results_d
     assert text.count("_Measured on") == 1
 
 
+def test_the_roofline_share_names_the_spread_of_the_machines_bandwidth_probes(results_dir):
+    """One probe on a shared VM swings by half: the decode section's roofline share says what the other suites'
+    probes on the same machine measured, and the share at theirs; probes that agree add nothing."""
+    alone = flat(report.regenerate(TEMPLATE, results_dir, results_dir))
+    assert "The probe swings" not in alone
+    probe = decode_result()["memory_bandwidth_gb_s"]
+    write_results("cache-scaling", {**cache_scaling_result(), "memory_bandwidth_gb_s": 2 * probe}, results_dir)
+    text = flat(report.regenerate(TEMPLATE, results_dir, results_dir))
+    share = re.search(r"minillm reaches \*\*(\d+)% of the roofline", text).group(1)
+    assert (f"this machine's other suites measured {2 * probe:.0f} GB/s, at which the same speed is "
+            f"{round(int(share) / 2)}% of the roofline") in text
+    write_results("cache-scaling", {**cache_scaling_result(), "memory_bandwidth_gb_s": 1.05 * probe}, results_dir)
+    assert "The probe swings" not in flat(report.regenerate(TEMPLATE, results_dir, results_dir))
+
+
 def test_a_lesson_readme_does_not_point_at_itself(results_dir):
     """Generated prose names the lesson that explains a point ("(lesson 05)"); inside lesson 05's own README that
     pointer is dropped, and lesson 07's "lesson 07's exercise" reads "this lesson's"."""

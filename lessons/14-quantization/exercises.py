@@ -30,14 +30,20 @@ def decode_q4_0_block(block: bytes) -> np.ndarray:
     raise NotImplementedError
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exercise 2: Groupwise int4 in the kernel's form
+def quantize_int4_clipped(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exercise 2: Clip the range, cut the error
 
-    weight [N, K], K a multiple of group_size. For each group of `group_size` weights along K, map the
-    group's minimum to q = 0 and its maximum to q = 15 (asymmetric, round to nearest). Return
-    (q int64 [N, K] in 0..15, scale [N, K / group_size], zero [N, K / group_size]) such that
-    weight ≈ (q − 8)·scale + zero, PyTorch's int4 kernel's formula. A constant group (max = min) must not
-    divide by zero: give it scale 1.
+    weight [N, K], K a multiple of group_size. The package's groupwise int4 (`quantize_int4_groupwise`) spends
+    its 16 levels on each group's whole range, min to max: one outlier stretches the step for all 32 weights.
+    Predict first: in a group of 31 small weights and one outlier, how many levels do the small ones use, and
+    what does shrinking the range (the outlier then saturates at q = 0 or 15) trade against what?
+
+    Then build it: for each group, try every range [min + a·(max − min), max − b·(max − min)], cutting each end
+    on its own by a and b from 0 to 0.25 in steps of 0.025 (121 ranges; a = b = 0 is min-max), round every weight
+    to the nearest of each range's 16 levels (what falls outside saturates at q = 0 or 15), and keep the range
+    whose squared error Σ(w − ŵ)² over the group is least.
+    Return (q int64 [N, K] in 0..15, scale [N, K / group_size], zero [N, K / group_size]) in the kernel's form,
+    weight ≈ (q − 8)·scale + zero. A constant group must not divide by zero: give it scale 1.
     """
     raise NotImplementedError
 
@@ -87,8 +93,8 @@ def perplexity(logits: torch.Tensor, tokens: torch.Tensor) -> float:
 def int4_error_bounds(weight: torch.Tensor, group_size: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exercise 5: Predict int4's worst-case error
 
-    Predict, without quantizing anything, how far groupwise int4 (exercise 2's scheme: each group's minimum at
-    q = 0, its maximum at q = 15, round to nearest) can move
+    Predict, without quantizing anything, how far groupwise int4 (the package's min-max scheme: each group's
+    minimum at q = 0, its maximum at q = 15, round to nearest) can move
       - each weight: return a bound per group, float32 [N, K / group_size], that |w - ŵ| never exceeds for any
         weight of the group, from the group's values alone;
       - each output of x @ weight.T for the inputs x [B, K]: a bound [B, N] on |x @ w.T - x @ ŵ.T|.

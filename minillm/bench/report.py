@@ -108,8 +108,25 @@ def render(results: dict, folder: Path, readme_dir: Path, suites=SECTIONS) -> st
             continue
         links = {ext: Path(os.path.relpath(folder / f"{name}.{ext}", readme_dir)).as_posix()
                  for ext in ("json", "png")}
+        if not device and "memory_bandwidth_gb_s" in data:
+            data = {**data, "bandwidth_probes": bandwidth_probes(results, data["machine"], folder)}
         sections.append(section(title, data, links) + _other_machine_note(data, results.get("decode"), device))
     return "\n\n".join(sections)
+
+
+def bandwidth_probes(results: dict, machine: dict, folder: Path) -> dict[str, float]:
+    """Each CPU suite's peak read bandwidth probe (GB/s) on `machine`, the cost model's constants
+    (`python -m minillm.bench.cost`, in `folder`) among them: one probe on a shared VM swings by half, so a
+    section that divides by its own can say what the others measured."""
+    probes = {}
+    cost = folder / "cost.json"
+    for name, data in [*results.items(), ("cost", read_json(cost) if cost.exists() else None)]:
+        if data is None or "/" in name or machine_label(data["machine"]) != machine_label(machine):
+            continue
+        gb_s = data.get("memory_bandwidth_gb_s") or data.get("machine_constants", {}).get("bandwidth_gb_s")
+        if gb_s:
+            probes[name] = gb_s
+    return probes
 
 
 def _other_machine_note(data: dict, decode: dict | None, device: str) -> str:

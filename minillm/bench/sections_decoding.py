@@ -55,6 +55,23 @@ def _same_tokens_sentence(results: dict) -> str:
     return f"Tokens different from minillm's static cache: {', '.join(differing)}."
 
 
+def _probe_spread(data: dict, share: float) -> str:
+    """A sentence on how far this run's bandwidth probe is from the other suites' on the same machine, and the
+    roofline share at theirs; empty when they agree within 10%."""
+    own = data["memory_bandwidth_gb_s"]
+    others = [gb_s for suite, gb_s in data.get("bandwidth_probes", {}).items() if suite != data["suite"]]
+    if not others or all(abs(gb_s / own - 1) <= 0.1 for gb_s in others):
+        return ""
+    low, high = min(others), max(others)
+    if round(low) == round(high):
+        measured, shares = f"{high:.0f} GB/s", md.percent(share * own / high)
+    else:
+        measured = f"{low:.0f}-{high:.0f} GB/s"
+        shares = f"{md.percent(share * own / high)}-{md.percent(share * own / low)}"
+    return (f" The probe swings on this shared VM: this machine's other suites measured {measured}, at which the "
+            f"same speed is {shares} of the roofline")
+
+
 def _decode_bullets(data: dict) -> str:
     results, bullets = data["results"], []
     for i, (dtype, res) in enumerate(results.items()):
@@ -67,7 +84,9 @@ def _decode_bullets(data: dict) -> str:
                  f"**{md.percent(res['contenders'][minillm]['roofline_fraction'])} of the roofline**")
         if transformers:
             text += f" (transformers {md.percent(res['contenders'][transformers]['roofline_fraction'])})"
-        bullets.append(md.bullet(text + "."))
+        if i == 0:
+            text += "." + _probe_spread(data, res["contenders"][minillm]["roofline_fraction"])
+        bullets.append(md.bullet(text.removesuffix(".") + "."))
     if "float32" in results and "bfloat16" in results:
         bullets.append(md.bullet(_precision_sentence(data)))
     prefill = data["prefill"]

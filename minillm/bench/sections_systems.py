@@ -247,7 +247,8 @@ def cli_section(title: str, data: dict, links: dict) -> str:
                       data, header, body, notes)
 
 
-SAME_WEIGHTS = {"minillm float32": "llama.cpp F32", "minillm GGUF Q4_1": "llama.cpp Q4_1"}  # serve-vs-llamacpp
+SAME_WEIGHTS = {"minillm float32": "llama.cpp F32", "minillm float32 compiled": "llama.cpp F32",
+                "minillm GGUF Q4_1": "llama.cpp Q4_1"}  # serve-vs-llamacpp
 
 
 def serve_vs_llamacpp_section(title: str, data: dict, links: dict) -> str:
@@ -284,6 +285,13 @@ def serve_vs_llamacpp_section(title: str, data: dict, links: dict) -> str:
     exact = (f"every server generated exactly {data['tokens_per_request']} tokens per request (EOS ignored through "
              "`ignore_eos` and `min_tokens`)" if not short else f"fewer tokens than asked for from {', '.join(short)}")
     notes.append(md.bullet(f"Failed requests: {', '.join(f'{name} {n}' for name, n in failed.items())}; {exact}."))
+    if "ready_seconds" in data:
+        graph = data["compiled_graph"]
+        notes.append(md.bullet(
+            f"Starts: `{graph['command']}` ran first ({graph['seconds']:.0f} s: {graph['report'].split(' (')[0]}; a "
+            "package already on disk is only loaded), so every start is a warm one: from the process's start to its "
+            "first answer, " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in data["ready_seconds"].items())
+            + "."))
     cores, before = data["machine"]["cores"], data["load_average"]["before"]
     busy = ("busy: other work shared the cores, so read the ratios, which every contender met alike; absolute figures "
             "run higher on an idle machine" if before >= 1 else "otherwise idle")
@@ -293,7 +301,9 @@ def serve_vs_llamacpp_section(title: str, data: dict, links: dict) -> str:
         notes.append(md.bullet(f"llama.cpp: {data['llama_cpp']}."))
     return md.section(title, links,
                       f"{model_label(data['model'])}, every server its own process on the same GGUF (minillm float32 "
-                      "serves its weights dequantized, `--quant gguf` its Q4_1 blocks; llama.cpp F32 the "
+                      "serves its weights dequantized" + (", eagerly or (`--compile`) with its decode steps as one "
+                                                          "compiled graph" if "ready_seconds" in data else "") +
+                      ", `--quant gguf` its Q4_1 blocks; llama.cpp F32 the "
                       "full-precision copy, Q4_1 the file itself; llama.cpp's server is llama-cpp-python's "
                       f"`python -m llama_cpp.server`), each computing with {data['threads']} "
                       f"thread{'s' if data['threads'] > 1 else ''}, driven by lesson 13's load test: "

@@ -3,10 +3,15 @@
 Every server is its own process, started as a user starts it, on the default model's
 GGUF file (Q4_1 blocks) or the copy of it at full precision:
 
-    minillm float32      python -m minillm.serve                  the file's weights dequantized (serve's default)
-    minillm GGUF Q4_1    python -m minillm.serve --quant gguf     the file's own 4-bit blocks (lesson 14)
-    llama.cpp F32        python -m llama_cpp.server --model F32   the same weights as minillm float32 (`gguf_as`)
-    llama.cpp Q4_1       python -m llama_cpp.server --model GGUF  the very file
+    minillm float32           python -m minillm.serve --eager          the file's weights dequantized
+    minillm float32 compiled  python -m minillm.serve --compile        the same, decode steps as one compiled graph
+    minillm GGUF Q4_1         python -m minillm.serve --eager --quant gguf   the file's own 4-bit blocks (lesson 14)
+    llama.cpp F32             python -m llama_cpp.server --model F32   the same weights as minillm float32 (`gguf_as`)
+    llama.cpp Q4_1            python -m llama_cpp.server --model GGUF  the very file
+
+The compiled server's graph is built before any server starts (`python -m minillm.compile
+--serve`, once per machine: its time is recorded, and is near zero when the package was
+already on disk), so each server's start, also recorded, is a warm start.
 
 (llama.cpp's server is llama-cpp-python's, skipped with the reason when it does not import.)
 The clients are `minillm.serving.loadtest`'s streaming chat requests behind the help
@@ -16,7 +21,7 @@ server is started before the first request and the loads alternate between them,
 by round after a warm-up round, so the machine's drift hits each alike; the figures are
 medians over the rounds, with the machine's load average recorded beside them.
 
-    python -m minillm.bench serve-vs-llamacpp            # 4 servers, 3 rounds: about 10 minutes on 2 cores
+    python -m minillm.bench serve-vs-llamacpp            # 5 servers, 3 rounds: about 15 minutes on 2 cores
     python -m minillm.bench serve-vs-llamacpp --quick    # minillm float32 and llama.cpp Q4_1, 1 round
     python -m minillm.bench serve-vs-llamacpp --threads 1   # each server on one thread (a busy machine)
 
@@ -30,6 +35,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+import time
 from contextlib import ExitStack
 
 import torch
@@ -37,7 +45,7 @@ import torch
 from ..serving.loadtest import chat_workload
 from .common import alternate, finish_figure, median, plot_title, spread
 from .llama_cpp import gguf_as, server_missing_reason, server_process
-from .server import SLO_TPOT, SLO_TTFT, ServerProcess, load
+from .server import SLO_TPOT, SLO_TTFT, ServerProcess, child_env, load
 
 
 def servers(args, quick: bool, threads: int, llama_cpp: str | None) -> dict[str, ServerProcess]:
@@ -45,9 +53,11 @@ def servers(args, quick: bool, threads: int, llama_cpp: str | None) -> dict[str,
     from ..speed.quant_gguf import gguf_path_for
 
     threads_env = {"OMP_NUM_THREADS": str(threads)}  # torch's intra-op threads, as llama.cpp's --n_threads
-    chosen = {"minillm float32": ServerProcess.minillm(args.model, args.device, 16, env=threads_env)}
+    chosen = {"minillm float32": ServerProcess.minillm(args.model, args.device, 16, "--eager", env=threads_env),
+              "minillm float32 compiled": ServerProcess.minillm(args.model, args.device, 16, "--compile",
+                                                                env=threads_env)}
     if not quick:
-        chosen["minillm GGUF Q4_1"] = ServerProcess.minillm(args.model, args.device, 16, "--quant", "gguf",
+        chosen["minillm GGUF Q4_1"] = ServerProcess.minillm(args.model, args.device, 16, "--eager", "--quant", "gguf",
                                                             env=threads_env)
     if llama_cpp is None:
         source = gguf_path_for(args.model)
@@ -69,6 +79,7 @@ def run(args) -> dict:
     workloads = {"1 client": (chat_workload(single_requests, math.inf, seed=1, outputs=fixed), 1),
                  f"{clients} clients": (chat_workload(crowd_requests, math.inf, seed=2, outputs=fixed), clients)}
     llama_cpp, load_before = server_missing_reason(), os.getloadavg()[0]
+    build = build_server_graph(args.model)
     chosen = servers(args, quick, threads, llama_cpp)
     rounds: dict[str, dict[str, list[dict]]] = {name: {label: [] for label in workloads} for name in chosen}
 
@@ -91,7 +102,22 @@ def run(args) -> dict:
     return {"model": args.model, "quick": quick, "tokens_per_request": tokens, "clients": clients,
             "requests": {label: len(workload) for label, (workload, _) in workloads.items()}, "repeats": repeats,
             "threads": threads, "slo": {"ttft": SLO_TTFT, "tpot": SLO_TPOT}, "llama_cpp": llama_cpp,
-            "load_average": {"before": load_before, "after": os.getloadavg()[0]}, "contenders": rows}
+            "load_average": {"before": load_before, "after": os.getloadavg()[0]}, "contenders": rows,
+            "compiled_graph": build, "ready_seconds": {name: server.ready_seconds for name, server in chosen.items()}}
+
+
+def build_server_graph(model: str) -> dict:
+    """`python -m minillm.compile --serve`, as a user runs it ahead of the compiled server: its wall time and its
+    report (a package already on disk is only loaded)."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "minillm.compile", "--serve", "--model", model], env=child_env(),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"python -m minillm.compile --serve failed: {done.stderr.strip()[-2000:]}")
+    line = done.stdout.strip().splitlines()[-1]
+    print(f"server graph: {line}", flush=True)
+    return {"command": f"python -m minillm.compile --serve --model {model}", "seconds": time.perf_counter() - start,
+            "report": line}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -106,7 +132,7 @@ def summary(runs: list[dict]) -> dict:
             "failed": sum(run["failed"] for run in runs), "output_tokens": [run["output_tokens"] for run in runs]}
 
 
-COLORS = {"minillm float32": "tab:blue", "minillm GGUF Q4_1": "tab:cyan", "llama.cpp F32": "tab:red",
+COLORS = {"minillm float32": "tab:blue", "minillm float32 compiled": "tab:purple", "minillm GGUF Q4_1": "tab:cyan", "llama.cpp F32": "tab:red",
           "llama.cpp Q4_1": "tab:orange"}
 
 

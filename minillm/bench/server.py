@@ -54,6 +54,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_env(extra: dict | None = None) -> dict:
+    """This process's environment for a child that imports this checkout's minillm, plus `extra`."""
+    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra or {}))
+
+
 class ServerProcess:
     """An OpenAI-compatible server in a child process (`python -m minillm.serve`, or another engine's), ready once
     `GET /v1/models` answers, which every such server has. Its log goes to a file, read when it fails to start: a
@@ -71,19 +76,21 @@ class ServerProcess:
                     "--max-num-seqs", str(max_num_seqs), *flags], port, env)
 
     def __enter__(self) -> "ServerProcess":
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **self.env)
+        env = child_env(self.env)
         self.log = tempfile.TemporaryFile(mode="w+")
+        start = time.monotonic()
         self.process = subprocess.Popen(self.command, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 300
+        deadline = start + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.log.seek(0)
                 raise RuntimeError(f"{' '.join(self.command[1:3])} exited while starting: {self.log.read()[-2000:]}")
             try:
                 if httpx.get(self.base_url + "/models", timeout=1).status_code == 200:
+                    self.ready_seconds = time.monotonic() - start  # its start, as a user waits for it
                     return self
             except httpx.HTTPError:
-                time.sleep(0.5)
+                time.sleep(0.2)
         self.__exit__()
         raise RuntimeError(f"{' '.join(self.command[1:3])} did not answer /v1/models within 300 s")
 

@@ -99,8 +99,10 @@ def set_attention_backend(model, backend) -> None:
 
 def uses_default_attention(model) -> bool:
     """Whether every layer runs the default backend (SDPA): a compiled graph writes its own attention, so a run
-    asked to use another kernel (lesson 16) must stay eager to use it."""
-    return all(isinstance(block.attn.backend, SDPABackend) for block in model.blocks)
+    asked to use another kernel (lesson 16) must stay eager to use it. A wrapper that only adds a kind of step
+    (the engine's `PagedAttention`, which keeps its `inner` backend for every other step) counts as what it wraps."""
+    return all(isinstance(getattr(block.attn.backend, "inner", block.attn.backend), SDPABackend)
+               for block in model.blocks)
 
 
 __all__ = ["AttentionStep", "SDPABackend", "causal_mask_lower_right", "set_attention_backend", "uses_default_attention"]

@@ -15,7 +15,8 @@ One `step()` is one forward of the model over a mixed batch:
                    a 300-token prompt chunk, then five decoding requests' one token each
     forward        the model's one forward, keys written into a paged cache
                    (`minillm.cache.paged`), attention reading each sequence's keys through its
-                   block table (`PagedAttention`)
+                   block table (`PagedAttention`); a step in which every request decodes
+                   runs as one compiled graph when its package is built (`graph`, lesson 15)
     sample         every request whose prompt is done draws its next token with its own
                    settings and its own random stream (`minillm.decoding.sampling`)
     logprobs       only for the requests that ask: the chosen tokens' (from the distribution
@@ -86,17 +87,20 @@ class Engine:
     `kv_cache_mb` megabytes. max_num_seqs: the most requests decoding together.
     max_num_batched_tokens: the token budget of one forward (prefill chunks fill what the
     decoders leave). hash_fn: the prefix cache's block hash; prefix_caching=False turns it off.
+    graph: how the steps in which every request decodes run (`ModelRunner`'s graph modes):
+    "auto" (the default) the compiled step when its package is already on disk, "compiled"
+    (built first if it is not: a minute or two, once per machine), or "eager".
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_mb: float = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 hash_fn=hash, prefix_caching: bool = True):
+                 hash_fn=hash, prefix_caching: bool = True, graph: str = "auto"):
         if num_blocks is None:
             num_blocks = int(kv_cache_mb * 2**20 // (kv_bytes_per_token(model) * block_size))
         self.model, self.tokenizer = model, tokenizer
         self.manager = BlockManager(num_blocks, block_size, hash_fn, prefix_caching)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, cache="paged", num_blocks=num_blocks, block_size=block_size)
+        self.runner = ModelRunner(model, cache="paged", graph=graph, num_blocks=num_blocks, block_size=block_size)
         self.requests: dict[int, Sequence] = {}
         self.timeline: list[StepRecord] = []
         self.forward_passes = 0
@@ -294,7 +298,9 @@ def generate_continuous(model, prompts, config=None, *, tokenizer=None, arrivals
                             decode_tokens=sum(max(len(o.token_ids) - 1, 0) for o in outputs),
                             decode_seconds=time.perf_counter() - start)
     stats.extra.update(prefix_hit_rate=engine.prefix_hit_rate,
-                       preemptions=sum(r.preemptions for r in engine.requests.values()))
+                       preemptions=sum(r.preemptions for r in engine.requests.values()),
+                       graph=engine.runner.graph, compiled_steps=engine.runner.compiled_steps)
+    stats.build_seconds = engine.runner.build_seconds
     return GenerationOutput(outputs, stats)
 
 

@@ -6,7 +6,7 @@
     logits = runner.verify(seqs, drafts, tree)  # [B, T, V]: after its newest token and each drafted one
     runner.rollback(seqs)                       # forget what the sequences did not keep (rejected drafts)
 
-    engine_runner = ModelRunner(model, cache="paged", num_blocks=..., block_size=16)
+    engine_runner = ModelRunner(model, cache="paged", graph="auto", num_blocks=..., block_size=16)
     logits = engine_runner.step(packed, tokens, ready)   # one continuous-batching forward (lesson 12)
 
 `generate`, speculative decoding, prompt lookup, lookahead, beam search and the engine all
@@ -20,7 +20,9 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
             `minillm.speed.graph_store` and loaded, or built once; on a GPU compiled in the process and
             captured as a CUDA graph; either way when the runner is made: before the first step,
             never inside the loop; prompts run eagerly over the same cache, which measured faster
-            than compiled chunks); a model exported to ONNX (`minillm.speed.onnx_model.OnnxModel`)
+            than compiled chunks); over the paged cache, one kept package for the engine's steps in
+            which every sequence decodes one token, its rows and lengths symbolic (`PagedShape`;
+            steps that prefill run eagerly); a model exported to ONNX (`minillm.speed.onnx_model.OnnxModel`)
             is its own graphs: graph "onnx", set by itself; "auto": "compiled" when its package is
             already on disk for this model and shape (and the model runs the default attention
             kernel; on a GPU, where nothing is kept, never), else "eager" (what the command line and the
@@ -39,7 +41,7 @@ import torch
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..model.attention import uses_default_attention
 from ..speed.compile import compile_model
-from ..speed.graph_store import StepShape
+from ..speed.graph_store import PagedShape, StepShape
 from ..speed.onnx_model import OnnxModel, OnnxSession
 from .sequence import Sequence
 from .session import DecodeSession, Tree
@@ -66,14 +68,21 @@ class ModelRunner:
         shapes = [StepShape.decode(model.config, max_batch, max_len)]  # the compiled graphs the run needs
         if verify_tokens and verify_tokens > 1:
             shapes.append(StepShape.verify(model.config, max_batch, verify_tokens, max_len))
+        if cache == "paged":  # the engine's one step that is compiled: every sequence decoding
+            shapes = [PagedShape(block_size)]
         if graph == "auto":  # the compiled graphs when they are already built for this run, else eager
-            built = (cache == "static" and isinstance(model, torch.nn.Module)
+            built = (cache in ("static", "paged") and isinstance(model, torch.nn.Module)
+                     and model.device.type == "cpu"  # a GPU keeps nothing: it compiles and records when asked
                      and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
                      and uses_default_attention(model)  # another kernel asked for (lesson 16) runs eagerly
                      and all(map(compile_model(model, kept=True).is_built, shapes)))
             graph = "compiled" if built else "eager"
-        if graph == "compiled" and cache != "static":
-            raise ValueError(f"compiled graphs run over the static cache, not cache={cache!r}: use cache='static'")
+        if graph == "compiled" and cache not in ("static", "paged"):
+            raise ValueError(f"compiled graphs run over the static cache (the engine's over the paged one), not "
+                             f"cache={cache!r}: use cache='static'")
+        if graph == "compiled" and cache == "paged" and model.device.type != "cpu":
+            raise ValueError("the engine's compiled step is built for the CPU only so far: on a GPU serve eagerly "
+                             "(drop --compile), or decode one batch with python -m minillm.infer --compile")
         if graph == "onnx" and not exported or exported and (graph == "compiled" or cache != "static"):
             raise ValueError("an ONNX export runs its own graphs over its own static cache: load it with "
                              "OnnxModel(folder) and leave cache and compile at their defaults")
@@ -87,7 +96,12 @@ class ModelRunner:
             if num_blocks is None:
                 raise ValueError("a paged runner needs num_blocks (the pool's size)")
             self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
-            self.session = None
+            self.session, self.decode_step = None, None
+            self.compiled_steps = 0  # steps the compiled graph ran (the rest, prefilling ones, ran eagerly)
+            if graph == "compiled":
+                compiled = compile_model(model, kept=True)
+                self.build_seconds = compiled.prepare(shapes)
+                self.decode_step, self.pools = compiled.packages[shapes[0]], self.cache.slot_pools()
             return
         if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already built
             # On a CPU the graphs are AOTInductor packages kept on disk; on a GPU they are compiled in this
@@ -166,6 +180,12 @@ class ModelRunner:
     def step(self, packed: PackedSequences, tokens: torch.Tensor, logits_at: torch.Tensor) -> torch.Tensor:
         """One packed forward over the paged pool: tokens long [N] of several sequences back to back
         (`packed` says whose and where); logits [K, V] at the row entries `logits_at` [K]."""
+        if self.decode_step is not None and len(packed.decode_queries) == packed.num_tokens:
+            # Every sequence feeds one token (row entry i is sequence i's): the compiled step, logits [D, 1, V].
+            logits = self.decode_step(tokens[:, None], packed.positions[:, None], packed.slots,
+                                      packed.decode_blocks, *self.pools)
+            self.compiled_steps += 1
+            return logits[logits_at, 0]
         PagedAttention.install(self.model)  # idempotent: a backend swapped in since is wrapped again
         self.cache.begin_step(packed)
         return self.model(tokens[None], packed.positions[None], cache=self.cache, packed=packed,

@@ -50,7 +50,7 @@ from ..model.attention import set_attention_backend
 from .attention_kernels import make_backend
 from .cuda_graph import CapturedStep
 from .graph_forward import CacheStep, graph_ready_copy, refuse_long_rope
-from .graph_store import PackagedStep, StepShape, graph_key, is_built, load_or_build
+from .graph_store import PackagedStep, PagedShape, StepShape, graph_key, is_built, load_or_build
 from .inductor import inductor_settings, worth_autotuning
 
 
@@ -102,7 +102,7 @@ class CompiledModel:
         return is_built(self.model, shape, self.settings)
 
     def prepare(self, shapes, session=None, progress: bool = True) -> float:
-        """Make the steps of these `StepShape`s ready before the run; the seconds it took.
+        """Make the steps of these `StepShape`s (and `PagedShape`s) ready before the run; the seconds it took.
 
         Kept: load (or build, and keep) their packages. Building is the slow part (about a minute
         per graph for the default model on two cores, once per machine); loading a kept package
@@ -113,6 +113,9 @@ class CompiledModel:
         """
         if not self.kept and session is None:
             raise ValueError("prepare() in this process compiles over a cache: pass the fixed-shape DecodeSession")
+        if not self.kept and any(isinstance(shape, PagedShape) for shape in shapes):
+            raise ValueError("the engine's compiled step over the paged pool is a package kept on disk for the CPU; "
+                             "in this process (a GPU's path) only the static cache's steps are compiled")
         # A CUDA graph is bound to the cache it was recorded over: a new session records its steps again
         # (in seconds: the compiled kernels are reused).
         captured = not self.kept and self.device.type == "cuda"
@@ -127,9 +130,9 @@ class CompiledModel:
             for shape in needed:
                 if self.kept:
                     key = graph_key(self.model, shape, self.settings)
-                    self.packages[shape] = load_or_build(self.model, lambda: self.step_module, shape, key,
-                                                         lambda: inductor_settings(self.autotune, self.device),
-                                                         progress=bar.set_postfix_str)
+                    self.packages[shape] = load_or_build(
+                        self.model, lambda: shape.module(self.step_module), shape, key,
+                        lambda: inductor_settings(self.autotune, self.device), progress=bar.set_postfix_str)
                 else:
                     self.packages[shape] = self._warm(shape, session, captured)
                 bar.update()

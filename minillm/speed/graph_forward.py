@@ -96,6 +96,50 @@ def graph_forward(model, tokens, positions, columns, mask, logits_at, keys, valu
     return logits, cache.keys, cache.values
 
 
+class PoolWrites:
+    """The paged cache a traced decode step sees: per-layer slot pools [num_slots, KV, hd] (`PagedKVCache`'s rows).
+
+    slots: long [B], where each row's new key goes; tables: long [B, nb], each row's block
+    table (padded with any block: the mask hides what lies past the row's position).
+    `update` writes the new keys at their slots in place, then reads each row's keys back
+    through its table, in order: [B, KV, nb * block_size, hd], what a static cache returns,
+    so the model's own attention runs over them with a mask. The gather is a real copy, but
+    inside the compiled graph it feeds the fused attention loops directly.
+    """
+
+    def __init__(self, keys, values, slots: torch.Tensor, tables: torch.Tensor, block_size: int):
+        self.keys, self.values, self.slots = keys, values, slots
+        offsets = torch.arange(block_size, device=tables.device)
+        self.read = (tables[:, :, None] * block_size + offsets).flatten(1)  # [B, nb * block_size]: slots in order
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """k_new, v_new [B, KV, 1, hd] -> written; returns the rows' keys and values [B, KV, L, hd]."""
+        for pool, new in ((self.keys[layer], k_new), (self.values[layer], v_new)):
+            pool[self.slots] = new[:, :, 0]  # index_put_ on the graph's input: written in place, one row each
+        return self.keys[layer][self.read].transpose(1, 2), self.values[layer][self.read].transpose(1, 2)
+
+
+class PagedDecodeStep(nn.Module):
+    """The engine's compiled unit (lesson 12's pool): every running sequence feeds one token over the paged cache.
+
+    Its sizes are the step's: rows, blocks per row and pool slots all change from step to
+    step, so it is exported with all three symbolic (`PagedShape`) and one graph serves
+    every step in which each sequence decodes.
+    """
+
+    def __init__(self, graph_model, block_size: int):
+        super().__init__()
+        self.model, self.block_size = graph_model, block_size
+
+    def forward(self, tokens, positions, slots, tables, keys, values):
+        """tokens, positions long [B, 1]; slots long [B]; tables long [B, nb]; keys, values: each layer's slot pool
+        [num_slots, KV, hd], written in place. Returns logits [B, 1, V]."""
+        cache = PoolWrites(keys, values, slots, tables, self.block_size)
+        seen = tables.shape[1] * self.block_size
+        mask = torch.arange(seen, device=tokens.device) <= positions[:, :, None]  # [B, 1, L]: keys up to its own
+        return self.model(tokens, positions, cache=cache, mask=mask)
+
+
 class CacheStep(nn.Module):
     """The compiled unit: one forward that writes its keys and values into the cache storage in place.
 
@@ -112,4 +156,5 @@ class CacheStep(nn.Module):
         return graph_forward(self.model, tokens, positions, columns, mask, logits_at, keys, values, True)[0]
 
 
-__all__ = ["CacheStep", "ColumnWrites", "FixedRope", "graph_forward", "graph_ready_copy", "refuse_long_rope"]
+__all__ = ["CacheStep", "ColumnWrites", "FixedRope", "PagedDecodeStep", "PoolWrites", "graph_forward",
+           "graph_ready_copy", "refuse_long_rope"]

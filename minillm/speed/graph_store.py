@@ -17,7 +17,8 @@ measured (lesson 15 tells the numbers):
                                     compiling, no Python between the kernels
 
 One package per step shape (`StepShape`): the batch, the tokens it feeds (1 to decode, a
-chunk to prefill or verify), the cache length, and how many positions get logits. Each is
+chunk to prefill or verify), the cache length, and how many positions get logits; and one for
+the engine's decode step over the paged pool (`PagedShape`), whose sizes stay symbolic. Each is
 an entry of the cache under $MINILLM_HOME (`minillm.base.files`) keyed by everything that
 changes the code it holds (`graph_key`): the weights' digest, the model's config and dtype,
 the shape, the compiler settings, the source of the modules the forward runs, the torch
@@ -106,6 +107,62 @@ class StepShape:
         return tokens, columns.clone(), columns, mask, logits_at, keys, values
 
 
+    def dynamic_shapes(self, config):
+        """Every size of this step is fixed: nothing symbolic for `torch.export`."""
+        return None
+
+    def module(self, cache_step):
+        """The unit exported for this shape: the `CacheStep` itself."""
+        return cache_step
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    """The engine's decode step over the paged pool (lesson 12): one package for every step in which each
+    sequence feeds one token.
+
+    A server's steps differ in the rows decoding, the blocks each row's keys span and the
+    pool's size. Buckets of fixed shapes would need a graph per (rows, blocks) pair, tens of
+    builds of a minute each; instead the three sizes stay symbolic in the exported program
+    (`torch.export`'s `Dim`), and the generated C++ loops run over sizes read at each call.
+    Only the block size is fixed: it is baked into the slot arithmetic.
+    """
+
+    block_size: int
+
+    @property
+    def name(self) -> str:
+        return f"paged-decode-bs{self.block_size}"
+
+    def example_inputs(self, config, dtype: torch.dtype, device) -> tuple:
+        """Inputs of `PagedDecodeStep.forward`: 2 rows over 3 blocks of a 5-block pool (sizes of 0 or 1 would be
+        taken as fixed by the export)."""
+        pool = 5
+        tokens = torch.zeros(2, 1, dtype=torch.long, device=device)
+        positions = torch.tensor([[1], [2 * self.block_size + 1]], device=device)
+        tables = torch.tensor([[0, 1, 2], [3, 4, 0]], device=device)
+        slots = tables[:, 0] * self.block_size + positions[:, 0] % self.block_size
+        shape = (pool * self.block_size, config.kv_heads, config.head_size)  # one layer's slot pool
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        return tokens, positions, slots, tables, keys, values
+
+    def dynamic_shapes(self, config):
+        """Rows, blocks per row and pool slots symbolic, as `torch.export` takes them (one entry per input)."""
+        from torch.export import Dim
+
+        rows, blocks = Dim("rows", min=1, max=4096), Dim("blocks", min=1, max=config.context_length)
+        slots = Dim("slots", min=1, max=2**31 - 1)
+        pools = [{0: slots}] * config.n_layer
+        return ({0: rows}, {0: rows}, {0: rows}, {0: rows, 1: blocks}, pools, pools)
+
+    def module(self, cache_step):
+        """The unit exported: the same graph-ready model as the `CacheStep`'s, behind `PagedDecodeStep`."""
+        from .graph_forward import PagedDecodeStep
+
+        return PagedDecodeStep(cache_step.model, self.block_size).eval()
+
+
 SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
 
 
@@ -147,8 +204,9 @@ class PackagedStep:
         self.loader.load_constants(constants, False, True, True)  # active set, every constant, user-managed
         self.build_seconds = json.loads((folder / KEY_FILE).read_text()).get("build_seconds")  # the one-time cost
 
-    def __call__(self, tokens, positions, columns, mask, logits_at, keys, values) -> torch.Tensor:
-        flat = [tokens, positions, columns, mask, *([] if logits_at is None else [logits_at]), *keys, *values]
+    def __call__(self, *args) -> torch.Tensor:
+        """The step's arguments in its module's order (per-layer lists as lists; a None input left out)."""
+        flat = [t for arg in args if arg is not None for t in (arg if isinstance(arg, list) else [arg])]
         return self.loader.boxed_run(flat)[0]
 
 
@@ -241,7 +299,7 @@ def machine_code() -> dict:
             "python": platform.python_version()}
 
 
-def graph_key(model, shape: StepShape, settings: dict) -> dict:
+def graph_key(model, shape: StepShape | PagedShape, settings: dict) -> dict:
     """Everything that changes a package's code or constants, as a readable dict (hashed for the folder name).
 
     model: the model the graph is made from (its weights, config, dtype and device).
@@ -251,7 +309,7 @@ def graph_key(model, shape: StepShape, settings: dict) -> dict:
             "source_sha256": source_digest(), **machine_code()}
 
 
-def is_built(model, shape: StepShape, settings: dict) -> bool:
+def is_built(model, shape: StepShape | PagedShape, settings: dict) -> bool:
     """Whether an intact package for this model, shape and settings is on disk (nothing is built or loaded).
 
     With no package of this shape at all (every eager start before a first build) it says so without
@@ -266,7 +324,7 @@ def package_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in (folder / PACKAGE).rglob("*") if p.is_file())
 
 
-def entry_folder(key: dict, shape: StepShape) -> Path:
+def entry_folder(key: dict, shape: StepShape | PagedShape) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return minillm_home() / "graphs" / f"{shape.name}-{digest}"
 
@@ -285,11 +343,12 @@ def entry_problem(folder: Path) -> str | None:
     return problem
 
 
-def load_or_build(model, make_step, shape: StepShape, key: dict, build_settings, progress=None) -> PackagedStep:
+def load_or_build(model, make_step, shape: StepShape | PagedShape, key: dict, build_settings,
+                  progress=None) -> PackagedStep:
     """The package for `shape`: loaded when its entry is intact, built (and kept) when it is missing or damaged.
 
-    model: the live model the package takes its shared weights from; make_step: gives the `CacheStep` to
-    export (called only to build); build_settings: a context manager factory setting the compiler's
+    model: the live model the package takes its shared weights from; make_step: gives the module to
+    export (`shape.module`'s; called only to build); build_settings: a context manager factory setting the compiler's
     options while it builds; progress: called with a short status line.
     """
     folder = entry_folder(key, shape)
@@ -308,11 +367,11 @@ def load_or_build(model, make_step, shape: StepShape, key: dict, build_settings,
     return PackagedStep(folder, model)
 
 
-def build_entry(model, step_module, shape: StepShape, key: dict, folder: Path, build_settings,
+def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, folder: Path, build_settings,
                 progress=None) -> None:
     """Export the step at `shape`, compile it to a package in a temporary folder, record it, rename it into place.
 
-    model: the live model (its weights stay out of the package); step_module: the `CacheStep` traced."""
+    model: the live model (its weights stay out of the package); step_module: the module traced."""
     from torch._inductor import config
 
     built = temporary_path(folder)
@@ -323,7 +382,8 @@ def build_entry(model, step_module, shape: StepShape, key: dict, folder: Path, b
         if progress:
             progress(f"{shape.name}: tracing")
         with torch.no_grad():
-            program = torch.export.export(step_module, inputs, strict=False)
+            program = torch.export.export(step_module, inputs, strict=False,
+                                          dynamic_shapes=shape.dynamic_shapes(model.config))
         if progress:
             progress(f"{shape.name}: compiling")
         # Each constant in a file of its own beside the library, not in the library's data section.
@@ -341,6 +401,6 @@ def build_entry(model, step_module, shape: StepShape, key: dict, folder: Path, b
         remove(built)
 
 
-__all__ = ["PackagedStep", "SMALLEST_BUCKET", "StepShape", "context_bucket", "entry_folder", "entry_problem",
-           "graph_key", "is_built", "load_or_build", "machine_code", "model_tensors", "package_bytes",
+__all__ = ["PackagedStep", "PagedShape", "SMALLEST_BUCKET", "StepShape", "context_bucket", "entry_folder",
+           "entry_problem", "graph_key", "is_built", "load_or_build", "machine_code", "model_tensors", "package_bytes",
            "share_model_weights", "source_digest", "weights_digest"]
