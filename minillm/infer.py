@@ -12,7 +12,7 @@ import sys
 
 from .base import jsonio
 from .base.cli_inputs import read_prompts_file, schema_text
-from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
+from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, run_command
 from .decoding.outputs import check_fits_context, encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
 from .strategies.streaming import PrintStreamer
@@ -59,15 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true",
                    help="run the plain from-scratch model, without the fast paths swapped in after loading "
                         "(oneDNN float32 matmuls on CPU); same tokens, slower")
-    graphs = p.add_mutually_exclusive_group()
-    graphs.add_argument("--compile", action="store_true",
-                        help="decode through the compiled graph (lesson 15), building it first when it is not on "
-                             "disk yet (about a minute and a half once per model, batch size and length bucket; "
-                             "`python -m minillm.compile` builds it ahead); with --device cuda it is compiled in the "
-                             "run and captured as a CUDA graph before the first token (one launch per step); same "
-                             "tokens in float32; plain generation with --cache static only")
-    graphs.add_argument("--eager", action="store_true",
-                        help="always run eager PyTorch, even when a compiled graph is on disk")
+    add_graph_flags(p, compile_help="decode through the compiled graph (lesson 15), building it first when it is "
+                    "not on disk yet (about a minute and a half once per model, batch size and length bucket; "
+                    "`python -m minillm.compile` builds it ahead); with --device cuda it is compiled in the run and "
+                    "captured as a CUDA graph before the first token (one launch per step); same tokens in float32; "
+                    "plain generation with --cache static only")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive", "flash"),
                    help="attention kernel (lesson 16): 'sdpa' (PyTorch's, default), 'naive' (the full score "
                         "matrix, memory grows with the square of the length) or 'flash' (tiled, online softmax); "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
+from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, run_command
 from .serving.launch import bind, build_server
 
 EPILOG = """examples:
@@ -55,15 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "`python -m minillm.infer` accepts, or a local folder or GGUF file",
                     dtype_help="weights and activations: float32 (default), bfloat16, float16")
     add_quant_flag(p)
-    graphs = p.add_mutually_exclusive_group()
-    graphs.add_argument("--compile", action="store_true",
-                        help="run the engine's decode steps (every request decoding one token) as the compiled graph "
-                             "(lessons 12 and 15), building it first when it is not on disk (a few minutes on two "
-                             "cores, once; `python -m minillm.compile --serve` builds it ahead); CPU only. Without "
-                             "this flag the compiled graph runs when it is already built, else eager PyTorch; steps "
-                             "that prefill prompts always run eagerly; the path is printed at start")
-    graphs.add_argument("--eager", action="store_true",
-                        help="always run eager PyTorch, even when the compiled graph is on disk")
+    add_graph_flags(p, compile_help="run the engine's decode steps (every request decoding one token) as the "
+                    "compiled graph (lessons 12 and 15), building it first when it is not on disk (a few minutes on "
+                    "two cores, once; `python -m minillm.compile --serve` builds it ahead); CPU only. Without this "
+                    "flag the compiled graph runs when it is already built, else eager PyTorch; steps that prefill "
+                    "prompts always run eagerly; the path is printed at start")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the name clients put in the request's 'model' field (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1",

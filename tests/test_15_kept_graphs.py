@@ -181,6 +181,15 @@ def test_the_command_lines_explain_and_check_the_graph_flags(capsys):
     assert "--attention flash picks an eager kernel" in capsys.readouterr().err
     assert compile_main(["--batch-size", "0"]) == 2
     assert "--batch-size 0 is invalid" in capsys.readouterr().err
+    assert compile_main(["--serve", "--batch-size", "2"]) == 2  # the server's one graph has no fixed batch
+    assert "--serve builds the one server step" in capsys.readouterr().err
+    assert compile_main(["--serve", "--block-size", "0"]) == 2
+    assert "--block-size 0 is invalid" in capsys.readouterr().err
+    from minillm.serve import main as serve_main
+
+    assert serve_main(["--compile", "--device", "cuda", "--port", "0"]) == 2  # refused before anything loads
+    assert "--compile builds the engine's step for the CPU only" in capsys.readouterr().err
+    assert serve_main(["--compile", "--eager"]) == 2
 
 
 @pytest.mark.slow

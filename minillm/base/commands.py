@@ -34,6 +34,15 @@ def add_quant_flag(parser) -> None:
                              "identical")
 
 
+def add_graph_flags(parser, *, compile_help: str) -> None:
+    """--compile and --eager, one or neither: a command that decodes runs its compiled graph when one is on disk
+    (neither flag), builds it first (--compile), or never uses it (--eager)."""
+    graphs = parser.add_mutually_exclusive_group()
+    graphs.add_argument("--compile", action="store_true", help=compile_help)
+    graphs.add_argument("--eager", action="store_true",
+                        help="always run eager PyTorch, even when a compiled graph is on disk")
+
+
 def negative_values_attached(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`--temperature -inf` -> `--temperature=-inf`: argparse would read a value that starts
     with '-' (and is not a plain number) as a flag and report "expected one argument"."""
