@@ -130,7 +130,7 @@ def stale_quotes(notebook: Path, results: Path) -> list[str]:
 # Suites whose results/ still come from the machine that measured them before this one (an AMD EPYC with
 # AVX-512; the notebooks now run on one with AVX2 only) and that have not been re-measured here yet. The list
 # only shrinks: re-run `python -m minillm.bench SUITE` on the notebooks' machine, then strike the suite off.
-AWAITING_RERUN = {"quant"}
+AWAITING_RERUN = set()
 
 
 def ran_on_of(notebook: Path) -> tuple[str, str] | None:
