@@ -80,8 +80,8 @@ def run(args) -> int:
         raise ValueError("nothing is kept for a GPU: there `python -m minillm.infer --device cuda --compile` compiles "
                          "the decode step and records it as a CUDA graph in the run (lesson 15)")
     from .speed.compile import compile_model
-    from .speed.graph_store import PagedShape, StepShape
     from .speed.load import load_model
+    from .speed.step_shapes import PagedShape, StepShape
 
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     if args.serve:

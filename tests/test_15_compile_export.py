@@ -28,8 +28,8 @@ from minillm.runtime.sequence import Sequence
 from minillm.runtime.session import DecodeSession, Tree
 from minillm.speed.compile import CompiledModel, compile_model
 from minillm.speed.export import export_onnx
-from minillm.speed.graph_store import context_bucket
 from minillm.speed.onnx_model import ExportError, OnnxModel
+from minillm.speed.step_shapes import context_bucket
 from minillm.strategies.drafters import PromptLookup
 from minillm.strategies.generate import generate
 from minillm.strategies.speculative import speculative_generate

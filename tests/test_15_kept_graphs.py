@@ -26,7 +26,7 @@ from minillm.runtime.runner import ModelRunner
 from minillm.speed import graph_store
 from minillm.speed.attention_kernels import make_backend
 from minillm.speed.compile import compile_model
-from minillm.speed.graph_store import StepShape
+from minillm.speed.step_shapes import StepShape
 from minillm.strategies.generate import generate
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]
@@ -135,7 +135,7 @@ from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession
 from minillm.speed.compile import compile_model
 from minillm.speed.attention_kernels import make_backend
-from minillm.speed.graph_store import StepShape
+from minillm.speed.step_shapes import StepShape
 _, model = tiny_pair("llama", context_length=256)
 compiled = compile_model(model, autotune=False, kept=True)
 seconds = compiled.prepare([StepShape.decode(model.config, 1, 256)], progress=False)
@@ -226,7 +226,7 @@ def test_the_paged_decode_step_computes_the_engine_eager_step():
     its keys read back through its block table (two rows spanning 2 and 3 blocks, tables in no order), the same
     logits and the same pools as the engine's eager packed step."""
     from minillm.cache.paged import PackedSequences
-    from minillm.speed.graph_store import PagedShape
+    from minillm.speed.step_shapes import PagedShape
 
     _, model = tiny_pair("llama", context_length=256)
     runner = ModelRunner(model, cache="paged", graph="eager", num_blocks=12, block_size=4)

@@ -373,7 +373,7 @@ def test_exported_decode_step_is_one_graph_for_every_position():
     given; its weight matmuls are the model's nn.Linear modules, in one graph with a key and a value write per
     layer."""
     from minillm.speed.compile import CompiledModel
-    from minillm.speed.graph_store import StepShape
+    from minillm.speed.step_shapes import StepShape
 
     model = tiny_llama()
     shape = StepShape.decode(model.config, batch=1, max_len=None)

@@ -12,7 +12,7 @@ import torch
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession
 from minillm.speed.compile import compile_model
-from minillm.speed.graph_store import StepShape
+from minillm.speed.step_shapes import StepShape
 from minillm.strategies.generate import generate
 
 PROMPT = [5, 17, 90, 3, 42, 8, 61]  # ids below the tiny models' vocabulary of 96

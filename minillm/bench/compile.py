@@ -33,8 +33,8 @@ import torch
 
 from ..speed.compile import compile_model
 from ..speed.export import export_onnx
-from ..speed.graph_store import StepShape
 from ..speed.onnx_model import OnnxModel
+from ..speed.step_shapes import StepShape
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import alternate, bandwidth_probe, finish_figure, median, plot_title, spread

@@ -41,8 +41,8 @@ import torch
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..model.attention import uses_default_attention
 from ..speed.compile import compile_model
-from ..speed.graph_store import PagedShape, StepShape
 from ..speed.onnx_model import OnnxModel, OnnxSession
+from ..speed.step_shapes import PagedShape, StepShape
 from .sequence import Sequence
 from .session import DecodeSession, Tree
 

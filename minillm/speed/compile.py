@@ -50,8 +50,9 @@ from ..model.attention import set_attention_backend
 from .attention_kernels import make_backend
 from .cuda_graph import CapturedStep
 from .graph_forward import CacheStep, graph_ready_copy, refuse_long_rope
-from .graph_store import PackagedStep, PagedShape, StepShape, graph_key, is_built, load_or_build
+from .graph_store import PackagedStep, graph_key, is_built, load_or_build
 from .inductor import inductor_settings, worth_autotuning
+from .step_shapes import PagedShape, StepShape
 
 
 class CompiledModel:

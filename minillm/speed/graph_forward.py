@@ -110,6 +110,8 @@ class PoolWrites:
     def __init__(self, keys, values, slots: torch.Tensor, tables: torch.Tensor, block_size: int):
         self.keys, self.values, self.slots = keys, values, slots
         offsets = torch.arange(block_size, device=tables.device)
+        # Slot indices, not `cache.paged.gather_blocks` over a [blocks, block_size, ...] view: viewing a pool whose
+        # slot count is symbolic needs it divisible by the block size, a guard the export refuses.
         self.read = (tables[:, :, None] * block_size + offsets).flatten(1)  # [B, nb * block_size]: slots in order
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):

@@ -1,0 +1,131 @@
+"""The shapes of the compiled steps (lesson 15): what one kept package (`minillm.speed.graph_store`) is built for.
+
+`StepShape` fixes every size of a step over a contiguous static cache (rows, tokens fed,
+cache length, logits kept); `PagedShape` is the engine's decode step over the paged pool,
+whose sizes stay symbolic. Each gives the example inputs the export traces and the module
+it exports; `context_bucket` rounds a run's length to the cache lengths graphs are built for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .graph_forward import PagedDecodeStep
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The fixed shapes of one compiled step.
+
+    batch: rows; tokens: T fed per row (1 to decode, the chunk length to prefill or verify);
+    cache_len: S, the cache columns every step sees; logits: K positions per row that get
+    logits (1: the prompt's last; T: every fed token, as decode and verify need).
+    """
+
+    batch: int
+    tokens: int
+    cache_len: int
+    logits: int
+
+    @property
+    def name(self) -> str:
+        kind = "decode" if self.tokens == 1 else "prefill" if self.logits == 1 else "verify"
+        return f"{kind}-b{self.batch}-t{self.tokens}-s{self.cache_len}"
+
+    @classmethod
+    def of_step(cls, tokens, positions, columns, mask, logits_at, keys, values) -> "StepShape":
+        """The shape of a call with `CacheStep.forward`'s arguments (mask: [B, T, S]; logits_at: [B, K] or None)."""
+        B, T, S = mask.shape
+        return cls(B, T, S, T if logits_at is None else logits_at.shape[1])
+
+    @classmethod
+    def decode(cls, config, batch: int, max_len: int | None) -> "StepShape":
+        """The decode step for `batch` rows of up to `max_len` tokens (None: the whole context)."""
+        context = config.context_length
+        return cls(batch, 1, context_bucket(max_len or context, context), 1)
+
+    @classmethod
+    def verify(cls, config, batch: int, tokens: int, max_len: int | None) -> "StepShape":
+        """The verify step: `tokens` fed per row (the newest token and a draft), logits after every one."""
+        return cls(batch, tokens, StepShape.decode(config, batch, max_len).cache_len, tokens)
+
+    def example_inputs(self, config, dtype: torch.dtype, device) -> tuple:
+        """Inputs of `CacheStep.forward` with these shapes (their values only need to be valid)."""
+        B, T, S = self.batch, self.tokens, self.cache_len
+        tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+        columns = torch.arange(T, device=device).expand(B, T).contiguous()  # [B, T]
+        mask = torch.arange(S, device=device) <= columns[:, :, None]  # [B, T, S]
+        logits_at = None if self.logits == T else torch.full((B, self.logits), T - 1, device=device)
+        shape = (B, config.kv_heads, S, config.head_size)  # one layer's keys (or values)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        return tokens, columns.clone(), columns, mask, logits_at, keys, values
+
+
+    def dynamic_shapes(self, config):
+        """Every size of this step is fixed: nothing symbolic for `torch.export`."""
+        return None
+
+    def module(self, cache_step):
+        """The unit exported for this shape: the `CacheStep` itself."""
+        return cache_step
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    """The engine's decode step over the paged pool (lesson 12): one package for every step in which each
+    sequence feeds one token.
+
+    A server's steps differ in the rows decoding, the blocks each row's keys span and the
+    pool's size. Buckets of fixed shapes would need a graph per (rows, blocks) pair, tens of
+    builds of a minute each; instead the three sizes stay symbolic in the exported program
+    (`torch.export`'s `Dim`), and the generated C++ loops run over sizes read at each call.
+    Only the block size is fixed: it is baked into the slot arithmetic.
+    """
+
+    block_size: int
+
+    @property
+    def name(self) -> str:
+        return f"paged-decode-bs{self.block_size}"
+
+    def example_inputs(self, config, dtype: torch.dtype, device) -> tuple:
+        """Inputs of `PagedDecodeStep.forward`: 2 rows over 3 blocks of a 5-block pool (sizes of 0 or 1 would be
+        taken as fixed by the export)."""
+        pool = 5
+        tokens = torch.zeros(2, 1, dtype=torch.long, device=device)
+        positions = torch.tensor([[1], [2 * self.block_size + 1]], device=device)
+        tables = torch.tensor([[0, 1, 2], [3, 4, 0]], device=device)
+        slots = tables[:, 0] * self.block_size + positions[:, 0] % self.block_size
+        shape = (pool * self.block_size, config.kv_heads, config.head_size)  # one layer's slot pool
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        return tokens, positions, slots, tables, keys, values
+
+    def dynamic_shapes(self, config):
+        """Rows, blocks per row and pool slots symbolic, as `torch.export` takes them (one entry per input)."""
+        from torch.export import Dim
+
+        rows, blocks = Dim("rows", min=1, max=4096), Dim("blocks", min=1, max=config.context_length)
+        slots = Dim("slots", min=1, max=2**31 - 1)
+        pools = [{0: slots}] * config.n_layer
+        return ({0: rows}, {0: rows}, {0: rows}, {0: rows, 1: blocks}, pools, pools)
+
+    def module(self, cache_step):
+        """The unit exported: the same graph-ready model as the `CacheStep`'s, behind `PagedDecodeStep`."""
+        return PagedDecodeStep(cache_step.model, self.block_size).eval()
+
+
+SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
+
+
+def context_bucket(tokens: int, context_length: int) -> int:
+    """The fixed cache length for a run of `tokens` tokens: the next power of two (at least SMALLEST_BUCKET),
+    capped at the model's context. A power of two from 256 up is a multiple of the usual chunk lengths, so
+    a prompt's padded last chunk still fits."""
+    return min(context_length, max(SMALLEST_BUCKET, 1 << (tokens - 1).bit_length()))
+
+
+__all__ = ["PagedShape", "SMALLEST_BUCKET", "StepShape", "context_bucket"]
