@@ -271,3 +271,26 @@ def test_the_engine_decodes_through_one_kept_paged_graph_with_the_eager_tokens(t
     again = Engine(model, **options)  # "auto" now finds it, and loads it
     assert again.runner.graph == "compiled" and Engine(model, **options, graph="eager").runner.graph == "eager"
     assert Engine(model, **{**options, "block_size": 8}).runner.graph == "eager"  # another block size: not built
+
+
+@pytest.mark.slow
+def test_a_quantized_model_runs_its_kernels_inside_the_kept_graphs(tmp_path, monkeypatch):
+    """`--quant` with `--compile`, on the CLI's path and the server's: the int4 kernel (every block's linears) and
+    the int8 kernel (the LM head, as the GGUF's Q8_0 head becomes) traced into the static decode graph and into the
+    engine's paged step; each decodes the same tokens as the same quantized model run eagerly."""
+    from minillm.runtime.engine import generate_continuous
+    from minillm.speed.quant import Int4WeightLinear, Int8WeightLinear
+    from minillm.speed.quantize_model import quantize_model, quantized_modules
+
+    monkeypatch.setenv("MINILLM_HOME", str(tmp_path))
+    _, model = tiny_pair("llama", context_length=256)
+    quantize_model(model, "int4", head="int8")
+    assert set(quantized_modules(model)) == {Int4WeightLinear.__name__, Int8WeightLinear.__name__}
+    eager = generate(model, PROMPTS, max_new_tokens=12, compile=False)
+    compiled = generate(model, PROMPTS, max_new_tokens=12, compile=True)
+    assert compiled.stats.extra["graph"] == "compiled" and compiled.token_ids == eager.token_ids
+    options = {"block_size": 4, "num_blocks": 64, "max_num_seqs": 2}
+    runs = {graph: generate_continuous(model, PROMPTS, max_new_tokens=12, arrivals=[0, 3],
+                                       engine_options={**options, "graph": graph}) for graph in ("eager", "compiled")}
+    assert runs["compiled"].token_ids == runs["eager"].token_ids == eager.token_ids
+    assert runs["compiled"].stats.extra["compiled_steps"] == runs["compiled"].stats.forward_passes - 2

@@ -11,11 +11,13 @@ from __future__ import annotations
 import pickle
 import re
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from torch import nn
 
 from ..base.files import one_line
 from .config import ModelConfig
@@ -106,7 +108,9 @@ def read_checkpoint(folder: Path) -> Transformer:
         raise ModelLoadError(f"checkpoint in {folder} lacks tensor {e.args[0]!r}: incomplete or not a {kind} model") from None
     except RuntimeError as e:  # q/k/v (or gate/up) projections that cannot be stacked
         raise ModelLoadError(f"checkpoint in {folder} does not fit its config.json: {one_line(e)}") from None
-    with torch.device("meta"):
+    # The modules, their tensors on the meta device and left undrawn: the checkpoint's are assigned below. (Drawing
+    # the embedding's random start, even on meta, runs a Python kernel that imports torch's compiler: 2 s a start.)
+    with torch.device("meta"), mock.patch.object(nn.Embedding, "reset_parameters", lambda self: None):
         model = Transformer(config)
     expected = model.state_dict()
     for name, tensor in state.items():
