@@ -7,8 +7,10 @@ compile under `inductor_settings`, and both key what they build by whether it wa
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import warnings
+from unittest import mock
 
 import torch
 
@@ -62,13 +64,37 @@ def inductor_settings(autotune: bool, device):
             settings["max_autotune_gemm_backends"] = "CPP,ATEN"
     quiet = contextlib.nullcontext()
     if autotune and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
-        from unittest import mock
-
         quiet = mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
-    with config.patch(settings), quiet, warnings.catch_warnings():
+    with config.patch(settings), quiet, templates_compiled_once(), warnings.catch_warnings():
         # Inductor's autotuner itself still calls the deprecated `Tensor.storage()`: not the reader's concern.
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         yield
 
 
-__all__ = ["AUTOTUNE_MIN_ELEMENTS", "inductor_settings", "worth_autotuning"]
+def templates_compiled_once():
+    """While compiling, Inductor's kernel templates are parsed once per process instead of at every use.
+
+    Inductor writes each C++ matmul kernel (and each timed candidate) by rendering Jinja
+    templates: fixed strings, but parsed afresh at every render. The default model's decode
+    graph renders them some 1,800 times, and parsing took 45 s of a 4-minute build on two
+    cores (profiled with cProfile). A parsed template renders the same text every time, so
+    it is kept, keyed by its source, while the compile runs. Without Inductor's template
+    class (another torch) nothing is patched.
+    """
+    try:
+        from torch._inductor.codegen.common import KernelTemplate
+    except ImportError:
+        return contextlib.nullcontext()
+    parse = getattr(KernelTemplate, "_template_from_string", None)
+    if parse is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(KernelTemplate, "_template_from_string", staticmethod(_parsed_once(parse)))
+
+
+@functools.cache
+def _parsed_once(parse):
+    """Inductor's parse function with its results kept for the process (one cache, however many compiles)."""
+    return functools.cache(parse)
+
+
+__all__ = ["AUTOTUNE_MIN_ELEMENTS", "inductor_settings", "templates_compiled_once", "worth_autotuning"]
