@@ -236,8 +236,26 @@ def compilation(results: Path) -> list[Comparison]:
     return rows
 
 
+def attention_kernels(results: Path) -> list[Comparison]:
+    """Lesson 16. Flash attention does the work of the visible tiles only and never writes the L x L scores: the model
+    predicts its gain over naive attention from each one's flops and bytes (`bench.attention.attention_cost`). Both
+    are compute-bound at these lengths, so the predicted gain is about naive's flops over flash's. Measured, the gain
+    is 0.8-3x that: the model charges naive attention four passes over the L x L scores (scores written and read,
+    probabilities written and read), but eager PyTorch makes some fourteen, one or two per op (the matmul, the scale,
+    the mask, the softmax's max, subtract, exp, sum and divide, p @ v), and from 512 tokens they outgrow the caches. (The suite times one thread against the constants' two: a ratio of two compute-bound times does not
+    depend on the peak it is divided by.)"""
+    machine, rows = _machine(results), []
+    for row in stored("attention", results)["rows"]:
+        naive, flash = (Step(weight_bytes=0.0, activation_bytes=row["cost"][kind]["bytes"],
+                             flops=row["cost"][kind]["flops"]) for kind in ("naive", "flash"))
+        rows.append(Comparison("16", f"flash's gain over naive at {row['length']} tokens", "x",
+                               predict(naive, machine) / predict(flash, machine),
+                               row["ms"]["naive"] / row["ms"]["flash"], (0.8, 3.0), bound(naive, machine)))
+    return rows
+
+
 SUITES = {"06": "cache-scaling", "07": "batch", "08": "speculative", "11": "lookahead", "12": "serving",
-          "14": "quant", "15": "compile"}  # each lesson's own suite; every lesson's constants also come from decode and cost
+          "14": "quant", "15": "compile", "16": "attention"}  # each lesson's own suite; every lesson's constants also come from decode and cost
 
 
 def other_machine(lesson: str, results: Path = RESULTS) -> str | None:
@@ -253,12 +271,12 @@ def other_machine(lesson: str, results: Path = RESULTS) -> str | None:
 
 
 LESSONS = {"06": kv_cache, "07": batching, "08": speculative, "11": lookahead, "12": continuous_batching,
-           "14": quantization, "15": compilation}
+           "14": quantization, "15": compilation, "16": attention_kernels}
 
 
 
 def comparisons(lesson: str, results: Path = RESULTS) -> list[Comparison]:
-    """The rows of one lesson ('06', '07', '08', '11', '12', '14', '15')."""
+    """The rows of one lesson ('06', '07', '08', '11', '12', '14', '15', '16')."""
     if lesson not in LESSONS:
         raise ValueError(f"lesson {lesson!r} has no cost-model prediction; one of {', '.join(LESSONS)}")
     return LESSONS[lesson](Path(results))
