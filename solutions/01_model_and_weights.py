@@ -75,15 +75,18 @@ def count_parameters(config: ModelConfig) -> dict[str, int]:
     return counts | {"total": sum(counts.values())}
 
 
-def dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
-    """Exercise 3: Dequantize a Q4_1 tensor"""
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 20)  # one row per 20-byte block
+def dequantize_q5_1(raw: np.ndarray) -> np.ndarray:
+    """Exercise 3: Dequantize a Q5_1 tensor"""
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 24)  # one row per 24-byte block
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1] scale
     m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [n, 1] minimum
-    packed = blocks[:, 4:]  # [n, 16]: byte j holds weight j (low nibble) and weight j + 16 (high nibble)
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)  # [n, 32], values 0..15
+    qh = blocks[:, 4:8].copy().view("<u4")  # [n, 1]: bit i is weight i's fifth bit (little-endian, whatever the CPU)
+    fifth = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, 32], 0 or 1
+    packed = blocks[:, 8:]  # [n, 16]: byte j holds weight j's low 4 bits (low nibble) and weight j + 16's (high)
+    low = np.concatenate([packed & 0x0F, packed >> 4], axis=1)  # [n, 32], 0..15
+    q = (low | (fifth << 4)).astype(np.float32)  # [n, 32], 0..31
     weights = d * q + m
-    return weights.reshape(*raw.shape[:-1], raw.shape[-1] // 20 * 32)
+    return weights.reshape(*raw.shape[:-1], raw.shape[-1] // 24 * 32)
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -38,14 +38,24 @@ def apply_eta(logits: torch.Tensor, epsilon: float) -> torch.Tensor:
     return logits.masked_fill(remove, -math.inf)
 
 
-def draw_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+def rounding_trap() -> tuple[torch.Tensor, float]:
+    """Exercise 3: Inverse-CDF draw"""
+    # torch.rand's u is at most 1 - 2^-24, and for a total c near 1 the product c - c * 2^-24 lies at least
+    # half a float32 spacing below c, so it rounds below c: torch.rand alone never springs the trap. A u with
+    # more bits (Python's random.random(), numpy's float64) can sit closer to 1 than a float32 can: 1 - 2^-30
+    # becomes 1.0 when it is turned into a float32 tensor, and the target lands on cdf[-1] itself. The cdf is
+    # flat over the trailing zeros, so no index has cdf > target: searchsorted returns V, past the end, and
+    # clamping that into the vocabulary picks the last token, of probability 0.
+    probs = torch.tensor([0.5, 0.25, 0.25, 0.0, 0.0])
+    return probs, 1 - 2 ** -30
+
+
+def draw_token(probs: torch.Tensor, u: float) -> int:
     """Exercise 3: Inverse-CDF draw"""
     cdf = probs.cumsum(dim=-1)  # [V]; cdf[i] - cdf[i-1] = probs[i]: an empty interval when probs[i] = 0
-    u = torch.rand(1, generator=generator)  # one uniform number in [0, 1)
-    target = u * cdf[-1]  # scale to the actual total, which float32 rounding keeps slightly off 1
+    target = torch.tensor([u], dtype=torch.float32) * cdf[-1]  # scaled to the total, as float32 sums are not 1
     token = int(torch.searchsorted(cdf, target, right=True))  # first index with cdf > target
-    # If rounding lands the target on the last cumulative value, searchsorted points past the end
-    # (or onto a trailing zero-probability token): fall back to the last token that has mass.
+    # The guard: a target on cdf[-1] (part 1) finds no such index; fall back to the last token that has mass.
     last_with_mass = int(torch.nonzero(probs > 0).max())
     return min(token, last_with_mass)
 

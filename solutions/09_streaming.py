@@ -62,6 +62,34 @@ def stop_aware_pieces(tokenizer, token_ids, stop):
     return pieces
 
 
+def held_back(data: bytes) -> int:
+    """How many bytes at the end of `data` belong to a character still arriving (0 if it ends cleanly)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0b1100_0000 != 0b1000_0000:  # not a continuation byte: the last character starts here
+            length = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            return back if back < length else 0
+    return 0
+
+
+def gap_steps(tokenizer, token_ids):
+    """Exercise 3: Time to first token and the gaps between tokens"""
+    # A step shows text when its token completes at least one character. A token whose bytes all belong to a
+    # character still arriving shows '', and its step is added to the next gap: two steps when one such token
+    # sits between two pieces. A token that ends inside an emoji but starts with a complete character (" " plus
+    # the emoji's first bytes, as GPT-2 splits " 😀") still shows that character, so its gap stays one step.
+    steps, pending, since = [], b"", None  # since: steps since the last non-empty piece (None before the first)
+    for token in token_ids:
+        pending += tokenizer.token_bytes(token)
+        complete = len(pending) - held_back(pending)  # bytes of whole characters this step can show
+        since = None if since is None else since + 1
+        if complete:
+            if since is not None:
+                steps.append(since)
+            since, pending = 0, pending[complete:]
+    return steps
+
+
 class LatencyStreamer:
     def __init__(self, clock):
         self.clock = clock

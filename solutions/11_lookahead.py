@@ -32,6 +32,21 @@ def tree_attention_mask(parents: list[int], prefix_length: int) -> tuple[torch.T
     return mask, positions
 
 
+def predicted_exact_nodes() -> dict[str, list[int]]:
+    """Exercise 1: The tree attention mask"""
+    # A node's logits are exact when it sees exactly its path (the prefix, its ancestors, itself) and every one of
+    # those keys sits at its true position. The flattened order here is root, a, b, c, d, e with depths
+    # 0, 1, 2, 2, 1, 2: it is a single chain up to b and branches from c on.
+    # Causal mask: node i sees every node before it. Up to b those are exactly its ancestors; c also sees its
+    # sibling b, d sees a, b and c, e sees all of them: their logits mix in other branches' tokens.
+    # Positions by index: RoPE scores depend on the distance between positions. Up to b index = depth, so nothing
+    # moves; c sits one too far from the prefix and from a, d three too far, e (index 5, depth 2) three too far,
+    # and e's parent d was rotated at the wrong place as well.
+    # Both breaks keep the nodes before the first node that is not its predecessor's child: the tree is a
+    # sequence up to there, and a sequence needs neither the tree mask nor tree positions.
+    return {"causal mask": [0, 1, 2], "positions by index": [0, 1, 2]}
+
+
 # ------------------------------------------------------------------ Exercise 2
 
 

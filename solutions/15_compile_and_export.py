@@ -29,17 +29,40 @@ def mask_from_positions(positions: torch.Tensor, num_columns: int, window: int) 
 # ------------------------------------------------------------------ Exercise 2
 
 
-def write_columns(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def write_by_index_put(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Exercise 2: A cache write a graph can hold"""
+    rows = torch.arange(new.shape[0], device=new.device)[:, None]  # [B, 1], broadcast against columns [B, T]
+    store[rows, :, columns] = new.transpose(1, 2)  # advanced indices first: the target is indexed as [B, T, KV, hd]
+    return store
+
+
+def write_by_scatter_(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """Exercise 2: A cache write a graph can hold"""
     index = columns[:, None, :, None].expand_as(new)  # [B, KV, T, hd]: the column for every element of `new`
-    return store.scatter(2, index, new)
-    # An exported graph uses this functional scatter and returns the result as its `present_*` output. The
-    # compiled step writes the cache storage in place with an indexed assignment (store[rows, :, columns] = new),
-    # which Inductor keeps in place. Slicing store[:, :, p:p + T] with a Python p would bake p into the graph: a
-    # new graph every step.
+    return store.scatter_(2, index, new)
+
+
+def predicted_whole_layer_copies() -> dict[str, bool]:
+    """Exercise 2: A cache write a graph can hold"""
+    # Inductor lowers index_put_ on a graph input to a kernel that stores the new rows straight into the input's
+    # memory: the wrapper's `call` allocates nothing and passes the input to the kernel. scatter_ on an input is
+    # functionalised into an out-of-place scatter plus a copy back: `buf0 = empty_strided_cpu((2, 2, 24, 8), ...)`,
+    # a loop writing the whole scattered layer into it, and a loop copying all of it back into the input (the
+    # kernel's name says `copy_`). For one decode token that is S columns moved to write one, in every layer at
+    # every step; an exported graph that returns its cache (`present_*`) pays the same by design.
+    # Slicing store[:, :, p:p + T] with a Python p would bake p into the graph instead: a new graph every step.
+    return {"index_put": False, "scatter_": True}
 
 
 # ------------------------------------------------------------------ Exercise 3
+
+
+def predicted_chunks() -> dict[int, list[tuple[int, int]]]:
+    """Exercise 3: A prompt through a fixed-length prefill graph"""
+    # At most one chunk: one run from 0, padded to 8. Longer: whole chunks from 0 while one fits before the end,
+    # then a last chunk that ends exactly at the prompt's end, overlapping the previous one (9: start 1, 7 tokens
+    # computed twice; 17: start 9). 16 is two whole chunks: the "last" one is the second.
+    return {1: [(0, 7)], 8: [(0, 0)], 9: [(0, 0), (1, 0)], 16: [(0, 0), (8, 0)], 17: [(0, 0), (8, 0), (9, 0)]}
 
 
 def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -49,8 +72,11 @@ def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     starts = list(range(0, length - chunk, chunk)) + [length - chunk]
     return [(start, 0) for start in starts]
     # The overlap recomputes a few keys that are already in the cache; they come out the same, since the
-    # tokens before them are the same. Padding instead would write past the prompt's end, which near the end of
-    # the context may not fit.
+    # tokens before them are the same. A padded last chunk (17 tokens: start 16, 7 padding) would write keys at
+    # positions 17-23, past the prompt's end: harmless while the next tokens overwrite them, but the exported
+    # graph's cache holds a fixed number of positions (`--context`), and a prompt that ends within a chunk of it
+    # would write past the cache itself. A short prompt can pad: its chunk starts at 0 and fits any context of at
+    # least one chunk.
 
 
 # ------------------------------------------------------------------ Exercise 4

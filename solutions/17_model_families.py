@@ -37,12 +37,40 @@ def rolling_cache_slots(window: int, chunk: int) -> int:
     # several tokens, and only once the prompt is longer than the window: the check runs both, three windows long.
 
 
+def predicted_orders() -> dict[tuple[int, int], list[int]]:
+    """Exercise 3: From neighbours to halves"""
+    # GPT-J's pair i is (2i, 2i + 1); minillm's is (i, i + head_dim/2). So the evens of the rotary dims fill the
+    # first places of the first half and the odds the first places of the second half; the unrotated dims fill
+    # what is left of each half, first half first, in their own order.
+    # (12, 4): pairs (0, 1), (2, 3) go to places (0, 6), (1, 7); dims 4..11 fill places 2..5 and 8..11.
+    # (8, 8): nothing unrotated: the evens, then the odds.
+    return {(12, 4): [0, 2, 4, 5, 6, 7, 1, 3, 8, 9, 10, 11],
+            (8, 8): [0, 2, 4, 6, 1, 3, 5, 7]}
+
+
 def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """Exercise 3: From neighbours to halves"""
     still = (head_dim - rotary_dim) // 2
     evens, odds = torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)
     passing = torch.arange(rotary_dim, head_dim)
     return torch.cat((evens, passing[:still], odds, passing[still:]))
+
+
+def predicted_breaks() -> dict[str, dict[str, bool]]:
+    """Exercise 3: From neighbours to halves"""
+    # A score is a dot product, a sum over dims: it does not care in which order the dims come, as long as q's and
+    # k's come in the same order, and RoPE turns each pair by an angle that depends on the pair, not on its place.
+    # q only: q's dim j now meets k's dim order[j] (and each is rotated as the wrong pair's half): every score
+    # changes, so every output does. v never enters a score, so moving its rows changes none, but the output is
+    # sum_j (weights @ v)_j * W_o[:, j]: with v's dims permuted and W_o's columns not, each dim is read by another
+    # column of W_o and the output changes. Moving W_o's columns the same way undoes it: also exact, and pointless,
+    # since RoPE never touches v. That is why the loader reorders only W_q's and W_k's rows.
+    return {
+        "q and k": {"same scores": True, "same output": True},
+        "q only": {"same scores": False, "same output": False},
+        "q, k and v": {"same scores": True, "same output": False},
+        "q, k, v and W_o": {"same scores": True, "same output": True},
+    }
 
 
 def config_from_transformers(hf: dict) -> ModelConfig:

@@ -53,16 +53,20 @@ def count_parameters(config: ModelConfig) -> dict[str, int]:
     raise NotImplementedError
 
 
-def dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
-    """Exercise 3: Dequantize a Q4_1 tensor
+def dequantize_q5_1(raw: np.ndarray) -> np.ndarray:
+    """Exercise 3: Dequantize a Q5_1 tensor
 
-    The notebook decodes one Q4_1 block; decode a whole tensor, vectorised (no Python loop over
-    blocks). Each 20-byte block holds 32 weights: a float16 scale d, a float16 minimum m, then 16
-    bytes whose low nibbles are q_0..q_15 and high nibbles q_16..q_31; w_i = d * q_i + m.
+    The notebook decodes one Q4_1 block; Q5_1, its 5-bit sibling, stores each weight's fifth bit
+    apart from the other four. Decode a whole Q5_1 tensor, vectorised (no Python loop over blocks).
+    Each 24-byte block holds 32 weights: a float16 scale d, a float16 minimum m, a 32-bit
+    little-endian integer qh whose bit i is the fifth (highest) bit of weight i, then 16 bytes of
+    nibbles laid out as in Q4_1 (byte j: the low 4 bits of weight j in its low nibble, of weight
+    j + 16 in its high nibble). So q_i = (its 4 low bits) + 16 * (bit i of qh), in 0..31, and
+    w_i = d * q_i + m.
 
-    raw: uint8 [..., n_bytes] with n_bytes a multiple of 20 (a GGUF tensor's `data`, or
-      `gguf.quants.quantize(values, GGMLQuantizationType.Q4_1)`).
-    Returns float32 [..., n_bytes / 20 * 32], equal to `gguf.quants.dequantize`.
+    raw: uint8 [..., n_bytes] with n_bytes a multiple of 24
+      (`gguf.quants.quantize(values, GGMLQuantizationType.Q5_1)`).
+    Returns float32 [..., n_bytes / 24 * 32], equal to `gguf.quants.dequantize`.
     """
     raise NotImplementedError
 

@@ -79,15 +79,24 @@ def test_exercise_2_known_totals(answers):
 
 
 @pytest.mark.parametrize("shape", [(1, 32), (4, 64), (3, 2, 96)])
-def test_exercise_3_q4_1_matches_gguf(answers, shape):
+def test_exercise_3_q5_1_matches_gguf(answers, shape):
     values = np.random.default_rng(sum(shape)).normal(size=shape).astype(np.float32) * 0.1
     values[..., :32] += 0.5  # one block with a positive minimum
-    raw = quantize(values, gguf.GGMLQuantizationType.Q4_1)  # uint8 [..., 20 bytes per 32 weights]
-    ours = answers.dequantize_q4_1(raw)
-    expected = dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    raw = quantize(values, gguf.GGMLQuantizationType.Q5_1)  # uint8 [..., 24 bytes per 32 weights]
+    assert raw.shape[-1] == values.shape[-1] // 32 * 24
+    ours = answers.dequantize_q5_1(raw)
+    expected = dequantize(raw, gguf.GGMLQuantizationType.Q5_1)
     assert ours.shape == expected.shape == values.shape
     np.testing.assert_array_equal(np.asarray(ours, dtype=np.float32), expected)
-    assert np.abs(ours - values).max() < 0.1  # and it is the weights, within a 4-bit step
+    assert np.abs(ours - values).max() < 0.03  # and it is the weights, within a 5-bit step
+
+
+def test_exercise_3_q5_1_reads_every_fifth_bit(answers):
+    # One block whose q_i run 0..31 in a scrambled order: each weight's fifth bit is in play, and a wrong
+    # bit order (or a big-endian qh) puts some weight 16 steps off.
+    q = np.random.default_rng(0).permutation(32).astype(np.float32)
+    raw = quantize(q[None] * 0.125 - 1.0, gguf.GGMLQuantizationType.Q5_1)  # d = 0.125, m = -1: exact in float16
+    np.testing.assert_array_equal(np.asarray(answers.dequantize_q5_1(raw), dtype=np.float32)[0], q * 0.125 - 1.0)
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:

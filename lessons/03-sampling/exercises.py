@@ -46,17 +46,36 @@ def apply_eta(logits: torch.Tensor, epsilon: float) -> torch.Tensor:
     raise NotImplementedError
 
 
-def draw_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+def rounding_trap() -> tuple[torch.Tensor, float]:
     """Exercise 3: Inverse-CDF draw
 
-    Draw one token from `probs` (float32 [vocab], non-negative, summing to about 1, zeros for
-    filtered tokens) the way `minillm.decoding.sampling.sample_from_probs` does: ONE number
-    u = torch.rand(1, generator=generator), scaled by the total mass (the cumulative sum's last
-    value: float32 sums are not exactly 1); the token is the first index whose cumulative
-    probability exceeds that target. A token of probability 0 must never come out, even when
-    rounding puts the target on the last cumulative value.
+    Part 1, break it. The package's draw (`minillm.decoding.sampling.sample_from_probs`), for one row:
+    cdf = probs.cumsum(-1); target = u * cdf[-1], u uniform in [0, 1) as a float32 tensor, scaled by the
+    total mass (float32 sums are not exactly 1); token = torch.searchsorted(cdf, target, right=True), the
+    first index whose cumulative probability exceeds the target. Its last line, a guard, caps the token at
+    the last one with mass. Find what the guard is for.
 
-    Returns the token id (an int). Same generator state, same token as the package.
+    First, predict: torch.rand's u is a float32, at most 1 - 2^-24. Can u * cdf[-1], multiplied in float32,
+    round onto cdf[-1] when the total is near 1? (The exact product is cdf[-1] - cdf[-1] * 2^-24: compare
+    that distance with the float32 spacing just below cdf[-1].) So where must a u come from that does?
+
+    Then return (probs, u): probs float32 [V], non-negative, summing to about 1, its last tokens 0; u a
+    Python float with 0 <= u < 1, for which the draw above without the guard (u turned into a float32
+    tensor first, as torch does) points past every token with mass: past the end of the vocabulary, or,
+    clamped into it, onto a token of probability 0.
+    """
+    raise NotImplementedError
+
+
+def draw_token(probs: torch.Tensor, u: float) -> int:
+    """Exercise 3: Inverse-CDF draw
+
+    Part 2, guard it. The draw of part 1 for one row (probs float32 [V], zeros for filtered tokens; u a
+    Python float in [0, 1), turned into a float32 tensor), with the guard added: a token of probability 0
+    must never come out, on your trap of part 1 or anywhere else.
+
+    Returns the token id (an int). For u = torch.rand(1, generator=g).item(), the same token as the
+    package's sample_from_probs(probs[None], [g]).
     """
     raise NotImplementedError
 

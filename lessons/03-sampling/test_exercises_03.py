@@ -72,21 +72,41 @@ def test_exercise_2_eta_cuts_lower_when_entropy_is_high(answers):
     check_same(answers.apply_eta(peaked, 0.01), EtaLogitsWarper(0.01)(NO_IDS, peaked.clone()))
 
 
-def test_exercise_3_inverse_cdf_draw(answers):
+def unguarded_draw(probs: torch.Tensor, u: float) -> int:
+    """`sample_from_probs` for one row without its last line: may point past every token with mass."""
+    cdf = probs.cumsum(dim=-1)
+    return int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float32) * cdf[-1], right=True))
+
+
+def test_exercise_3_the_unguarded_draw_falls_into_your_trap(answers):
+    probs, u = answers.rounding_trap()
+    assert isinstance(u, float) and 0.0 <= u < 1.0, "u: a Python float in [0, 1)"
+    assert probs.dtype == torch.float32 and probs.dim() == 1 and bool((probs >= 0).all())
+    assert abs(float(probs.sum()) - 1.0) < 1e-3, "probs should sum to about 1"
+    assert probs[-1] == 0, "the last tokens of probs should have probability 0"
+    token = unguarded_draw(probs, u)
+    assert probs[min(token, len(probs) - 1)] == 0, f"the unguarded draw picks token {token}, which has mass"
+    largest = float(torch.tensor(1 - 2 ** -24))  # the largest u torch.rand returns
+    assert probs[unguarded_draw(probs, largest)] > 0, "torch.rand's largest u should not spring it"
+    ours = answers.draw_token(probs, u)
+    assert 0 <= ours < len(probs) and probs[ours] > 0, f"your draw fell into your own trap: token {ours}"
+
+
+def test_exercise_3_the_guarded_draw_is_the_packages(answers):
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(2)) * 2.0
     config = SamplingConfig(do_sample=True, temperature=0.8, top_p=0.7)
     probs = process_logits(logits, config, None).softmax(-1)  # [1, V], zeros outside the nucleus
     for seed in (0, 1):
         g_ours, g_package = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        ours = [answers.draw_token(probs[0], g_ours) for _ in range(2000)]
+        ours = [answers.draw_token(probs[0], torch.rand(1, generator=g_ours).item()) for _ in range(2000)]
         package = [int(sample_from_probs(probs, [g_package])) for _ in range(2000)]
         assert ours == package, "not the package's token for the same random number"
         assert all(probs[0, t] > 0 for t in ours), "a filtered-out token was drawn"
-    # One token with mass, at the start: every draw is that token, however the rounding falls.
+    # One token with mass, at the start, and the largest u: every draw is that token, however the rounding falls.
     one = torch.zeros(50)
     one[0] = 1.0
-    g = torch.Generator().manual_seed(3)
-    assert {answers.draw_token(one, g) for _ in range(200)} == {0}
+    drawn = {answers.draw_token(one, u) for u in (0.0, 0.5, 1 - 2 ** -24, 1 - 2 ** -40)}
+    assert drawn == {0}, f"only token 0 has mass; drawn: {sorted(drawn)}"
 
 
 def test_exercise_4_gumbel_max_sampling(answers):

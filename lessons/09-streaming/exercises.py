@@ -41,11 +41,27 @@ def stop_aware_pieces(tokenizer, token_ids, stop):
     raise NotImplementedError
 
 
+def gap_steps(tokenizer, token_ids):
+    """Exercise 3: Time to first token and the gaps between tokens
+
+    Part 1, predict. A stream runs one decode step per token and shows that step's piece: the characters the
+    token completes (a character still arriving is held back, so a step may show ''). A streamer that reads the
+    clock at every non-empty piece sees one gap between each two consecutive non-empty pieces. Before running
+    anything: which gaps are two decode steps long? Is every gap that ends at an emoji split over two tokens
+    two steps long? (Try "Hi 😀 there" and "go 🚀!" with GPT-2's tokenizer.)
+
+    Then return, for `token_ids` streamed one per step, the number of decode steps each such gap spans
+    (len(non-empty pieces) - 1 values), worked out from each token's bytes (`tokenizer.token_bytes(id)`) and
+    UTF-8's lead bytes, as the lesson's by-hand printer does: no clock, no generate.
+    """
+    raise NotImplementedError
+
+
 def latency_streamer(clock=time.perf_counter):
     """Exercise 3: Time to first token and the gaps between tokens
 
-    Return a streamer (`put(row, text)`, `end()`) that reads `clock()` (seconds) when it is created and at every
-    `put` with non-empty text. It must expose, once generation has ended:
+    Part 2, measure. Return a streamer (`put(row, text)`, `end()`) that reads `clock()` (seconds) when it is
+    created and at every `put` with non-empty text. It must expose, once generation has ended:
 
       .pieces: the non-empty pieces, in order;
       .time_to_first_text: seconds from the streamer's creation to the first non-empty piece (None if none);

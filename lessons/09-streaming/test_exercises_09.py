@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from minillm.decoding.detokenize import IncrementalDecoder
 from minillm.decoding.stopping import RowState
 from minillm.model.tiny import tiny_pair
 from minillm.model.tokenizer import gpt2_tokenizer
@@ -116,6 +117,40 @@ def test_exercise_2_stop_aware_pieces_match_generate(answers, tiny_with_gpt2_tok
 
 
 # ------------------------------------------------------------------ Exercise 3
+
+
+def streamed_pieces(tok, ids):
+    """The piece each decode step shows, one token per step (what generate hands a streamer)."""
+    decoder = IncrementalDecoder(tok)
+    return [decoder.push([token]) for token in ids]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("go 🚀!", [1, 2, 1]),  # 🚀 over three tokens; the middle one completes nothing and shows ''
+    ("Hi 😀 there", [1, 1, 1]),  # 😀 over two tokens, but the first brings a whole " " with it: no empty step
+    ("café 😀😀 ok", [1, 1, 1, 1, 2, 1]),  # the second 😀's first token shows ''
+    ("plain ASCII text", [1, 1]),
+])
+def test_exercise_3_predict_which_gaps_are_two_steps(answers, text, expected):
+    tok = gpt2_tokenizer()
+    ids = tok.encode(text)
+    shown = [i for i, piece in enumerate(streamed_pieces(tok, ids)) if piece]
+    assert [b - a for a, b in zip(shown, shown[1:])] == expected  # the stream's own gaps, in steps
+    assert answers.gap_steps(tok, ids) == expected
+
+
+def test_exercise_3_a_step_that_shows_nothing_doubles_the_gap(answers):
+    tok = gpt2_tokenizer()
+    ids, step, now = tok.encode("go 🚀!"), 0.25, [0.0]
+    streamer = answers.latency_streamer(clock=lambda: now[0])
+    for piece in streamed_pieces(tok, ids):
+        now[0] += step  # one decode step per token
+        streamer.put(0, piece)
+    streamer.end()
+    assert streamer.pieces == ["go", " ", "🚀", "!"]
+    assert streamer.time_to_first_text == pytest.approx(step)
+    assert streamer.gaps == pytest.approx([step * n for n in answers.gap_steps(tok, ids)])
+    assert streamer.gaps[1] == pytest.approx(2 * step)  # the token that showed '' is merged into 🚀's gap
 
 
 def test_exercise_3_latency_streamer_with_a_fake_clock(answers):

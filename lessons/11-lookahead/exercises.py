@@ -29,12 +29,27 @@ def tree_attention_mask(parents: list[int], prefix_length: int) -> tuple[torch.T
 
     Raise ValueError when a node's parent does not come before it (parents[i] >= i).
 
-    Example: parents [-1, 0, 1, 1] (root -> a -> {b, c}), prefix_length 2 -> mask rows
-    111000, 111100, 111110, 111101; positions [2, 3, 4, 4].
-
     The check compares with a brute-force walk and with the package (`minillm.runtime.session.Tree.from_parents`
     and `new_token_mask`), then runs a tiny model with your mask after a cached prefix: every node's logits
     must equal a plain forward over the prefix and that node's path.
+    """
+    raise NotImplementedError
+
+
+def predicted_exact_nodes() -> dict[str, list[int]]:
+    """Exercise 1: The tree attention mask
+
+    Write your prediction as literals, before you run anything. The tree parents [-1, 0, 1, 1, 0, 4]
+    (root -> a -> {b, c}, and root -> d -> e) goes through one forward of a tiny Llama after a cached prefix,
+    with one part of the recipe broken:
+
+        "causal mask":         a plain causal mask over the flattened nodes (node i sees nodes 0..i and the
+                               prefix), positions prefix_length + depth as they should be
+        "positions by index":  the tree mask as it should be, positions prefix_length + i (as if the nodes were
+                               one sequence)
+
+    Returns {case: the nodes (sorted) whose logits still equal a plain forward over the prefix and that node's
+    path}. The check runs both cases and compares. Then say why each break spares the nodes it spares.
     """
     raise NotImplementedError
 

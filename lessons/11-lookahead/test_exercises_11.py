@@ -106,6 +106,32 @@ def test_exercise_1_one_tree_forward_equals_a_forward_per_path(answers, tiny):
                                        msg=lambda m: f"parents {parents}, node {node}: {m}")
 
 
+@torch.inference_mode()
+def test_exercise_1_predicted_breaks(answers, tiny):
+    prefix, tokens, parents = [3, 17, 4, 9, 22, 40], [9, 5, 6, 7, 5, 8], [-1, 0, 1, 1, 0, 4]
+    P, T = len(prefix), len(tokens)
+    tree = Tree.from_parents(parents)
+    tree_mask, tree_positions = new_token_mask(torch.tensor([P]), tree.mask, P + T)[0], P + tree.depth
+    causal = torch.ones(T, P + T, dtype=torch.bool).tril(P)  # node i: the prefix and nodes 0..i
+    cases = {"causal mask": (causal, tree_positions), "positions by index": (tree_mask, P + torch.arange(T))}
+    truth = {}
+    for case, (mask, positions) in cases.items():
+        cache = make_cache("dynamic", tiny, 1, P + T)
+        tiny(torch.tensor([prefix]), torch.arange(P)[None], cache=cache)
+        logits = tiny(torch.tensor([tokens]), positions[None], cache=cache, mask=mask[None])[0]
+        truth[case] = []
+        for node in range(T):
+            sequence = prefix + path_of(node, tokens, parents)
+            reference = tiny(torch.tensor([sequence]), torch.arange(len(sequence))[None])[0, -1]
+            if torch.allclose(logits[node], reference, rtol=1e-5, atol=1e-5):
+                truth[case].append(node)
+    predicted = answers.predicted_exact_nodes()
+    assert set(predicted) == set(truth), f"predict exactly these cases: {sorted(truth)}"
+    wrong = {case: (sorted(predicted[case]), truth[case]) for case in truth if sorted(predicted[case]) != truth[case]}
+    assert not wrong, "predicted vs measured exact nodes: " + "; ".join(
+        f"{case}: {p} vs {t}" for case, (p, t) in wrong.items())
+
+
 # ------------------------------------------------------------------ Exercise 2
 
 

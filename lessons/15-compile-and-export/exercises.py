@@ -35,13 +35,48 @@ def mask_from_positions(positions: torch.Tensor, num_columns: int, window: int) 
     raise NotImplementedError
 
 
-def write_columns(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def write_by_index_put(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """Exercise 2: A cache write a graph can hold
 
-    store [B, KV, S, hd]: a fixed-shape cache; new [B, KV, T, hd]: T new keys per row; columns: long [B, T],
-    where row b's t-th new key goes. Return a new tensor equal to `store` with those columns replaced (leave
-    `store` itself unchanged), using one indexed operation and no Python loop: the columns are a tensor, so one
-    graph serves every step.
+    store [B, KV, S, hd]: one layer of a fixed-shape cache, a graph input; new [B, KV, T, hd]: T new keys per row;
+    columns: long [B, T], where row b's t-th new key goes. Write them into `store` itself, in place, with one
+    indexed assignment (`store[...] = ...`, which traces as `index_put_`), no Python loop: the columns are a tensor,
+    so one graph serves every step. Return `store`.
+    """
+    raise NotImplementedError
+
+
+def write_by_scatter_(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Exercise 2: A cache write a graph can hold
+
+    The same write as `write_by_index_put`, in place into `store`, as one `store.scatter_(...)`. Return `store`.
+    """
+    raise NotImplementedError
+
+
+def predicted_whole_layer_copies() -> dict[str, bool]:
+    """Exercise 2: A cache write a graph can hold
+
+    Predict, before compiling: lesson 15's README says one of these two writes, compiled by Inductor with `store`
+    a graph input, copies the whole layer every step. Which? Returns {"index_put": bool, "scatter_": bool}, True
+    where the compiled step allocates a buffer the size of the whole store (and copies it back).
+
+    Then look: compile each (`torch.compile(fn, dynamic=False)`) through
+    `torch._inductor.utils.run_and_get_code` and find the line in the generated wrapper (its `call`) that says so.
+    The check compiles your two functions the same way and reads the wrapper.
+    """
+    raise NotImplementedError
+
+
+def predicted_chunks() -> dict[int, list[tuple[int, int]]]:
+    """Exercise 3: A prompt through a fixed-length prefill graph
+
+    Write your prediction as literals, before you read `OnnxModel.prefill` (`minillm/speed/onnx_model.py`): a
+    prefill graph takes exactly 8 tokens; a prompt of `length` tokens runs through it in chunks. For prompts of 1,
+    8, 9, 16 and 17 tokens, what (start, padding) does each run of the graph get? The runner pads only a prompt
+    of at most one chunk; a longer one never pads, so think about where its last chunk must start.
+
+    Returns {length: [(start, padding), ...]} for those five lengths. The check replays the runner on a stub.
     """
     raise NotImplementedError
 
@@ -49,13 +84,9 @@ def write_columns(store: torch.Tensor, new: torch.Tensor, columns: torch.Tensor)
 def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     """Exercise 3: A prompt through a fixed-length prefill graph
 
-    A prefill graph takes exactly `chunk` tokens. Return the (start, padding) of each run of the graph for a
-    prompt of `length` tokens, following `minillm.speed.onnx_model`: a prompt of at most `chunk` tokens is one run
-    from 0, padded with `chunk - length` tokens; a longer one runs chunks from 0, chunk, 2·chunk, ... while a
-    whole chunk fits before the prompt's end, and then one last chunk that ends exactly at the prompt's end
-    (overlapping the previous one, no padding).
-
-    Example: length 5, chunk 8 -> [(0, 3)]; length 20, chunk 8 -> [(0, 0), (8, 0), (12, 0)].
+    The (start, padding) of each run of a `chunk`-token prefill graph for a prompt of `length` tokens, by the rule
+    `minillm.speed.onnx_model.OnnxModel.prefill` follows (your prediction above, generalised). And: what would a
+    padded last chunk (instead of the runner's) write past, and where does that fail?
     """
     raise NotImplementedError
 

@@ -6,6 +6,8 @@ chunking replayed on a recording stub, and graphs counted by a counting backend 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -56,20 +58,51 @@ def test_exercise_1_the_ring_mask_is_the_simulated_ring(answers, B, T, S, window
             f"traced at {first.tolist()}, the mask is wrong at {other.tolist()}: does it bake in a Python value?")
 
 
-def test_exercise_2_the_write_replaces_exactly_the_columns(answers):
+def _write_case():
     gen = torch.Generator().manual_seed(1)
-    B, KV, S, hd, T = 3, 2, 12, 4, 3
+    B, KV, S, hd, T = 2, 2, 24, 8, 3  # a store shape nothing else in the step has
     store = torch.randn(B, KV, S, hd, generator=gen)
-    original = store.clone()
     new = torch.randn(B, KV, T, hd, generator=gen)
-    columns = torch.tensor([[0, 1, 2], [5, 6, 7], [9, 10, 11]])
-    out = answers.write_columns(store, new, columns)
-    expected = original.clone()
+    columns = torch.tensor([[0, 1, 2], [9, 10, 23]])
+    expected = store.clone()
     for b in range(B):
         for t in range(T):
             expected[b, :, columns[b, t]] = new[b, :, t]
-    assert torch.equal(out, expected)
-    assert torch.equal(store, original), "write_columns must not change its input"
+    return store, new, columns, expected
+
+
+@pytest.mark.parametrize("name, op", [("write_by_index_put", "index_put"), ("write_by_scatter_", "scatter")])
+def test_exercise_2_both_writes_replace_exactly_the_columns_in_place(answers, name, op):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    store, new, columns, expected = _write_case()
+    out = getattr(answers, name)(store, new, columns)
+    assert out is store, f"{name} must write into store itself and return it"
+    assert torch.equal(store, expected), "a Python loop over the columns wrote other values"
+    traced = make_fx(lambda s, n, c: getattr(answers, name)(s, n, c))(*_write_case()[:3])
+    ops = [str(node.target) for node in traced.graph.nodes if node.op == "call_function"]
+    assert any(op in target for target in ops), f"{name} traced as {ops}: write it with one {op}"
+    other = "scatter" if op == "index_put" else "index_put"
+    assert not any(other in target for target in ops), f"{name} traced as {ops}: write it with {op} only"
+
+
+def test_exercise_2_predicted_whole_layer_copies_are_in_the_generated_code(answers, monkeypatch):
+    from torch._inductor.utils import run_and_get_code
+
+    predicted = answers.predicted_whole_layer_copies()
+    monkeypatch.setitem(sys.modules, answers._module.__name__, answers._module)  # dynamo reads the answers' globals
+    assert set(predicted) == {"index_put", "scatter_"}, "predict for exactly 'index_put' and 'scatter_'"
+    measured = {}
+    for key, name in (("index_put", "write_by_index_put"), ("scatter_", "write_by_scatter_")):
+        store, new, columns, expected = _write_case()
+        torch._dynamo.reset()
+        _, codes = run_and_get_code(torch.compile(getattr(answers, name), dynamic=False), store, new, columns)
+        assert torch.equal(store, expected), f"compiled, {name} wrote other values"
+        wrapper = codes[-1]  # the Python wrapper: its `call` allocates buffers and calls the generated kernels
+        measured[key] = f"empty_strided_cpu({tuple(store.shape)}" in wrapper  # a buffer the size of the layer
+    torch._dynamo.reset()
+    assert measured == {"index_put": False, "scatter_": True}, f"the generated code: {measured}"
+    assert dict(predicted) == measured, f"predicted {predicted}, the generated code says {measured}"
 
 
 class Recorder(OnnxModel):
@@ -86,15 +119,27 @@ class Recorder(OnnxModel):
         return np.zeros((len(tokens), 4), dtype=np.float32), cache
 
 
+def runner_chunks(length, chunk):
+    runner = Recorder(chunk)
+    runner.prefill(list(range(length)))
+    return [(start, max(chunk - length, 0)) for start, size in runner.runs]
+
+
+def test_exercise_3_predicted_chunks(answers):
+    predicted = answers.predicted_chunks()
+    assert set(predicted) == {1, 8, 9, 16, 17}, "predict for prompts of 1, 8, 9, 16 and 17 tokens"
+    wrong = {length: ([tuple(run) for run in runs], runner_chunks(length, 8)) for length, runs in predicted.items()
+             if [tuple(run) for run in runs] != runner_chunks(length, 8)}
+    assert not wrong, "predicted vs the runner's (start, padding): " + "; ".join(
+        f"{length} tokens: {p} vs {r}" for length, (p, r) in wrong.items())
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 8, 64])
 def test_exercise_3_chunks_match_the_runner(answers, chunk):
     assert answers.prefill_chunks(5, 8) == [(0, 3)] and answers.prefill_chunks(20, 8) == [(0, 0), (8, 0), (12, 0)]
     for length in range(1, 3 * chunk + 2):
-        runner = Recorder(chunk)
-        runner.prefill(list(range(length)))
         got = [tuple(run) for run in answers.prefill_chunks(length, chunk)]
-        padding = max(chunk - length, 0)
-        assert got == [(start, padding) for start, size in runner.runs], (length, chunk)
+        assert got == runner_chunks(length, chunk), (length, chunk)
 
 
 def _scale_rows(x):

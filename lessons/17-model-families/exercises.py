@@ -51,17 +51,48 @@ def rolling_cache_slots(window: int, chunk: int) -> int:
     raise NotImplementedError
 
 
+def predicted_orders() -> dict[tuple[int, int], list[int]]:
+    """Exercise 3: From neighbours to halves
+
+    Write your prediction as literals, before you run anything (notebook 17 prints the order for head_dim 16,
+    rotary_dim 8; work these two out by hand): the order `rotary_order(head_dim, rotary_dim, interleaved=True)`
+    gives for a GPT-J head of 12 dims rotating 4, and for one of 8 dims rotating all 8.
+
+    Returns {(12, 4): [12 ints], (8, 8): [8 ints]}. The check compares with `minillm.model.weight_names.rotary_order`.
+    """
+    raise NotImplementedError
+
+
 def interleaved_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """Exercise 3: From neighbours to halves
 
     GPT-J rotates neighbouring dims (0, 1), (2, 3), ... of the first `rotary_dim` dims of each head and leaves
-    the rest alone. minillm's RoPE rotates dims (i, i + head_dim/2) and gives the rest angle 0. Return the
-    order, long [head_dim], such that head[..., order] puts every GPT-J pair (2i, 2i + 1) at (i, i + head_dim/2)
-    for i < rotary_dim/2, and the (head_dim - rotary_dim) unrotated dims in the places left over, in order:
-    the first half of them right after the first rotary_dim/2 dims, the second half at the end.
+    the rest alone. minillm's RoPE (`RopeTable` with `rotary_dim`) rotates dims (i, i + head_dim/2) and gives the
+    rest angle 0. Return the order, long [head_dim], such that head[..., order] is a head laid out for minillm's
+    RoPE: each GPT-J pair rotated at the speed it had, the unrotated dims where the table gives angle 0, in their
+    own order.
 
     The check compares with `minillm.model.weight_names.rotary_order` and rotates random q and k both ways: the scores
-    q·k must agree (reordering q and k alike changes no dot product).
+    q·k must agree.
+    """
+    raise NotImplementedError
+
+
+def predicted_breaks() -> dict[str, dict[str, bool]]:
+    """Exercise 3: From neighbours to halves
+
+    Predict, as literals: the loader applies the order to the rows of W_q and W_k (so to q's and k's dims). What if
+    it reordered other rows? One attention head of a GPT-J layer (head_dim 12, rotary_dim 4, causal), its reference
+    run with GPT-J's own rotation: scores = rot(q)·rot(k), output = softmax(scores / √12) @ v @ W_oᵀ. Each case
+    below runs minillm's RoPE instead, on:
+
+        "q and k":         q[..., order] and k[..., order] (the loader's way), v and W_o as they are
+        "q only":          q[..., order], k, v and W_o as they are
+        "q, k and v":      q, k and v each [..., order], W_o as it is
+        "q, k, v and W_o": as above, and W_o's columns [:, order] too
+
+    Returns {case: {"same scores": bool, "same output": bool}}: does the case give the reference's scores, and its
+    output? The check runs the four cases on random weights. Say why v's rows are left where they are.
     """
     raise NotImplementedError
 

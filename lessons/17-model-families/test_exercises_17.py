@@ -135,6 +135,30 @@ def test_exercise_2_rolling_cache_gives_transformers_mistral(answers, chunk):
                                    msg=lambda m: f"window {TINY_WINDOW}, steps of {chunk}, {slots} slots: {m}")
 
 
+def gptj_rotate(x, positions, rotary_dim):
+    """GPT-J's rotation: neighbours (2i, 2i + 1) of the first rotary_dim dims, speed theta^(-2i/rotary_dim)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    angles = positions[0, :, None].float() * inv_freq  # [T, rotary_dim/2]
+    sin, cos = angles.sin().repeat_interleave(2, -1)[:, None], angles.cos().repeat_interleave(2, -1)[:, None]
+    rot = x[..., :rotary_dim]
+    pairs = torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2)
+    return torch.cat((rot * cos + pairs * sin, x[..., rotary_dim:]), dim=-1)
+
+
+def minillm_rope(head_dim, rotary_dim, positions):
+    table = RopeTable(ModelConfig(n_head=2, d_model=2 * head_dim, positions="rope", norm="rmsnorm", mlp="swiglu",
+                                  rotary_dim=rotary_dim))
+    return table(positions, torch.float32)
+
+
+def test_exercise_3_predicted_orders(answers):
+    predicted = answers.predicted_orders()
+    assert set(predicted) == {(12, 4), (8, 8)}, "predict the orders for (12, 4) and (8, 8)"
+    for (head_dim, rotary_dim), order in predicted.items():
+        expected = rotary_order(head_dim, rotary_dim, interleaved=True).tolist()
+        assert list(order) == expected, f"head_dim {head_dim}, rotary_dim {rotary_dim}: you said {list(order)}"
+
+
 @pytest.mark.parametrize("head_dim, rotary_dim", [(8, 8), (8, 4), (16, 6), (64, 32)])
 def test_exercise_3_order_matches_the_package_and_keeps_scores(answers, head_dim, rotary_dim):
     order = torch.as_tensor(answers.interleaved_to_halves(head_dim, rotary_dim))
@@ -142,21 +166,42 @@ def test_exercise_3_order_matches_the_package_and_keeps_scores(answers, head_dim
     torch.manual_seed(1)
     q, k = torch.randn(1, 6, 2, head_dim), torch.randn(1, 6, 2, head_dim)
     positions = torch.arange(6)[None]
-
-    def gptj_rotate(x):  # GPT-J: neighbours (2i, 2i + 1) of the first rotary_dim dims, speed theta^(-2i/rotary_dim)
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-        angles = positions[0, :, None].float() * inv_freq  # [T, rotary_dim/2]
-        sin, cos = angles.sin().repeat_interleave(2, -1)[:, None], angles.cos().repeat_interleave(2, -1)[:, None]
-        rot = x[..., :rotary_dim]
-        pairs = torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2)
-        return torch.cat((rot * cos + pairs * sin, x[..., rotary_dim:]), dim=-1)
-
-    table = RopeTable(ModelConfig(n_head=2, d_model=2 * head_dim, positions="rope", norm="rmsnorm", mlp="swiglu",
-                                  rotary_dim=rotary_dim))
-    rope = table(positions, torch.float32)
+    rope = minillm_rope(head_dim, rotary_dim, positions)
     ours = apply_rope(q[..., order], *rope) @ apply_rope(k[..., order], *rope).transpose(-1, -2)
-    theirs = gptj_rotate(q) @ gptj_rotate(k).transpose(-1, -2)
+    theirs = gptj_rotate(q, positions, rotary_dim) @ gptj_rotate(k, positions, rotary_dim).transpose(-1, -2)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_exercise_3_predicted_breaks(answers):
+    head_dim, rotary_dim, T, d_model = 12, 4, 6, 24
+    order = rotary_order(head_dim, rotary_dim, interleaved=True)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, T, 1, head_dim) for _ in range(3))  # [1, T, 1 head, head_dim]: one head's rows
+    w_o = torch.randn(d_model, head_dim)
+    positions = torch.arange(T)[None]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def attend(scores, v, w_o):
+        weights = (scores / head_dim ** 0.5).masked_fill(~causal, float("-inf")).softmax(-1)
+        return (weights @ v[0, :, 0]) @ w_o.T
+
+    reference = gptj_rotate(q, positions, rotary_dim)[0, :, 0] @ gptj_rotate(k, positions, rotary_dim)[0, :, 0].T
+    rope = minillm_rope(head_dim, rotary_dim, positions)
+    cases = {"q and k": (order, order, None, False), "q only": (order, None, None, False),
+             "q, k and v": (order, order, order, False), "q, k, v and W_o": (order, order, order, True)}
+    truth = {}
+    for case, (q_order, k_order, v_order, move_w_o) in cases.items():
+        q_in = q if q_order is None else q[..., q_order]
+        k_in = k if k_order is None else k[..., k_order]
+        v_in = v if v_order is None else v[..., v_order]
+        scores = apply_rope(q_in, *rope)[0, :, 0] @ apply_rope(k_in, *rope)[0, :, 0].T
+        output = attend(scores, v_in, w_o[:, order] if move_w_o else w_o)
+        truth[case] = {"same scores": torch.allclose(scores, reference, atol=1e-5),
+                       "same output": torch.allclose(output, attend(reference, v, w_o), atol=1e-5)}
+    predicted = answers.predicted_breaks()
+    assert set(predicted) == set(truth), f"predict exactly these cases: {sorted(truth)}"
+    wrong = {case: (predicted[case], truth[case]) for case in truth if dict(predicted[case]) != truth[case]}
+    assert not wrong, "predicted vs measured: " + "; ".join(f"{c}: {p} vs {t}" for c, (p, t) in wrong.items())
 
 
 def resolved(config):

@@ -254,7 +254,7 @@ class Request:
     computed: int = 0  # tokens whose keys are in the pool: it feeds tokens[computed:] next
     generator: torch.Generator | None = None
     finish_reason: str | None = None  # "eos", "length" or "stop"
-    text: str | None = None
+    text: str | None = None  # what it generated, as text (an ending EOS token not in it, as in the package)
     drafted: int = 0
     accepted: int = 0
 
@@ -408,7 +408,7 @@ class Engine:
             if r.finish_reason is not None:
                 break
         if r.finish_reason is not None and r.text is None and self.tokenizer is not None:
-            r.text = self.tokenizer.decode(r.generated)
+            r.text = self.tokenizer.decode(r.generated[:-1] if r.finish_reason == "eos" else r.generated)
         return len(chosen)
 
     def append(self, r: Request, token: int) -> None:

@@ -260,7 +260,7 @@ def _speculative_bullets(data: dict) -> str:
                      f"tok/s, {md.times(best_reference / best['tokens_per_second'])} minillm's best.")
         bullets.append(md.bullet(text))
     bullets.append(md.bullet("Prompt lookup pays where the output repeats the input (edits, code changes, "
-                             "extraction); elsewhere its drafts are rejected and verifying them is wasted work."))
+                             "extraction)" + _lookup_elsewhere(tasks)))
     costs = {int(k): cost for k, cost in data["verify_cost"].items()}
     dearest = max(costs, key=costs.get)
     verify = (f"Verifying k + 1 tokens in one forward costs {md.span(costs.values(), 1)} single-token forwards "
@@ -282,6 +282,20 @@ def _speculative_bullets(data: dict) -> str:
                 f"{md.span([row['speedup'] for row in rows], unit='x')} across tasks and k."))
     bullets.append(md.bullet("A draft model pays only when it is much cheaper than the target and agrees with it."))
     return "\n".join(bullets)
+
+
+def _lookup_elsewhere(tasks: dict) -> str:
+    """The rest of the prompt-lookup bullet: what it does on the tasks where under half its drafts are accepted."""
+    elsewhere = {task: rows for task, result in tasks.items()
+                 if (rows := result["contenders"].get("minillm prompt-lookup"))
+                 and max((row.get("acceptance_rate") or 0.0) for row in rows.values()) < 0.5}
+    if not elsewhere:
+        return "."
+    speedups = [row["speedup"] for rows in elsewhere.values() for row in rows.values()]
+    cost = ("costs about what plain decoding costs" if 0.9 <= min(speedups) and max(speedups) <= 1.1
+            else "runs at a fraction of plain decoding's speed")
+    return (f"; elsewhere almost nothing it drafts is accepted, and it {cost} ({', '.join(elsewhere)}: "
+            f"{md.span(speedups, unit='x')}).")
 
 
 def _draft_label(spec: str) -> str:
@@ -338,7 +352,13 @@ def _lookahead_bullets(data: dict) -> str:
             + (", the default" if best_key == default_key else
                f"; the default {default_key} gave {md.times(default['speedup'])} on that prompt" if default else "")
             + ")."))
-    bullets.append(md.bullet("Lookahead pays where the answer repeats what the trie has seen (the prompt, or earlier "
-                             "answers of the same kind); on open-ended text its drafts fail, and the adaptive budget "
-                             "shrinks them to the few tokens a forward verifies at about a plain step's cost."))
+    worst_task, worst = min(((task, result["contenders"]["minillm lookahead (warm)"])
+                             for task, result in data["tasks"].items()), key=lambda item: item[1]["speedup"])
+    bullets.append(md.bullet(
+        "Lookahead pays where the answer repeats what the trie has seen (the prompt, or earlier answers of the same "
+        "kind); on open-ended text its drafts fail, and the adaptive budget shrinks them to the few nodes the tries "
+        f"still offer ({worst_task}: {worst['fed_per_forward']:.1f} tokens fed per forward to gain "
+        f"{worst['tokens_per_forward']:.2f}); such a round costs {worst['tokens_per_forward'] / worst['speedup']:.2f} "
+        f"plain steps (tokens per forward / speed-up), not one, so the run lands at {md.times(worst['speedup'])} "
+        "plain decoding."))
     return "\n".join(bullets)

@@ -1,8 +1,10 @@
 """`python -m minillm.bench server`: the HTTP server (lesson 13) under load, over loopback.
 
-The server runs as its own process (`python -m minillm.serve`, the default model in
+The server runs as its own process (`python -m minillm.serve --eager`, the default model in
 FP32), as it would in production; this process is the clients (`minillm.serving.loadtest`),
-streaming chat requests over HTTP. Three measurements:
+streaming chat requests over HTTP. `--eager` keeps the server off a kept compiled graph: a run
+after `python -m minillm.compile --serve` measures the same eager server as one before
+(`bench serve-vs-llamacpp` measures the compiled one). Three measurements:
 
 - **concurrency**: one client sending its requests one after another, against 16
   clients at once, every request asking for the same number of tokens: how much more
@@ -176,7 +178,7 @@ def run(args) -> dict:
     per_rate = 8 if quick else 24
     soak_seconds, soak_clients = (15, 8) if quick else (120, 12)
     fixed = ((tokens, tokens), (tokens, tokens), 0.0)
-    with ServerProcess.minillm(args.model, args.device, clients) as server:
+    with ServerProcess.minillm(args.model, args.device, clients, "--eager") as server:
         load(server, chat_workload(4, math.inf, seed=99, outputs=((8, 8), (8, 8), 0.0)), desc="warm-up")
         single = load(server, chat_workload(single_requests, math.inf, seed=1, outputs=fixed), concurrency=1,
                       desc="1 client")
