@@ -257,7 +257,9 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) ->
     u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(probs.device)
     targets = (u * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
-    # Rounding can push a target onto the last cumulative value: fall back to the last token with mass.
+    # The guard for a target on the last cumulative value: torch.rand's float32 u is at most 1 - 2**-24, and
+    # u * total rounds below any normal total, but a u with more bits (or a subnormal total) can reach it; then
+    # the search would pass the last token with mass (lesson 03's exercise 3 builds that case).
     last_nonzero = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
     return torch.minimum(tokens, last_nonzero)
 

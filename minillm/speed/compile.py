@@ -105,9 +105,9 @@ class CompiledModel:
     def prepare(self, shapes, session=None, progress: bool = True) -> float:
         """Make the steps of these `StepShape`s (and `PagedShape`s) ready before the run; the seconds it took.
 
-        Kept: load (or build, and keep) their packages. Building is the slow part (about a minute
+        Kept: load (or build, and keep) their packages. Building is the slow part (one to three minutes
         per graph for the default model on two cores, once per machine); loading a kept package
-        takes a second or two. In this process (`kept=False`, what a GPU runs): compile each step
+        takes a fraction of a second. In this process (`kept=False`, what a GPU runs): compile each step
         over `session`'s cache (a fixed-shape `DecodeSession`) and, on a GPU, record it as a CUDA
         graph over that cache (`CapturedStep`: one launch per step), so nothing is compiled or
         recorded after the first token. Either way, from then on a shape not prepared runs eagerly.
