@@ -242,8 +242,10 @@ def attention_kernels(results: Path) -> list[Comparison]:
     are compute-bound at these lengths, so the predicted gain is about naive's flops over flash's. Measured, the gain
     is 0.8-3x that: the model charges naive attention four passes over the L x L scores (scores written and read,
     probabilities written and read), but eager PyTorch makes some fourteen, one or two per op (the matmul, the scale,
-    the mask, the softmax's max, subtract, exp, sum and divide, p @ v), and from 512 tokens they outgrow the caches. (The suite times one thread against the constants' two: a ratio of two compute-bound times does not
-    depend on the peak it is divided by.)"""
+    the mask, the softmax's max, subtract, exp, sum and divide, p @ v), over scores that grow past the caches (2.4 MB
+    at 256 tokens, past a core's 1 MiB L2; 38 MB at 1024, past the 32 MiB L3). Only the gains are compared: the
+    suite times one thread against the constants' two, so each absolute time misses by more, but a ratio of two
+    compute-bound times does not depend on the peak it is divided by."""
     machine, rows = _machine(results), []
     for row in stored("attention", results)["rows"]:
         naive, flash = (Step(weight_bytes=0.0, activation_bytes=row["cost"][kind]["bytes"],
