@@ -36,7 +36,6 @@ import json
 import platform
 import sys
 import time
-import warnings
 import zipfile
 from dataclasses import asdict
 from pathlib import Path
@@ -275,10 +274,7 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
             progress(f"{shape.name}: compiling")
         # Each constant in a file of its own beside the library, not in the library's data section.
         with build_settings(), config.patch({"aot_inductor.package_constants_in_so": False,
-                                             "aot_inductor.package_constants_on_disk_format": "pickle_weights"}), \
-                warnings.catch_warnings():
-            # torch 2.13 pickles the graph's input spec through a check it has itself deprecated: its note, not ours.
-            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+                                             "aot_inductor.package_constants_on_disk_format": "pickle_weights"}):
             archive = torch._inductor.aoti_compile_and_package(program, package_path=str(built / "step.pt2"))
         with zipfile.ZipFile(archive) as unpacked:
             unpacked.extractall(built / PACKAGE)
