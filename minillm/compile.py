@@ -25,7 +25,7 @@ EPILOG = """examples:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minillm.compile", description="Build the compiled decode graph of a model "
-                      "(lesson 15) and keep it on disk: one to three minutes per graph on two cores, once; "
+                      "(lesson 15) and keep it on disk: 40 s to three minutes per graph on two cores, once; "
                       "later runs of python -m minillm.infer, generate() and the server load it in seconds.",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p, model_help="the model, as for python -m minillm.infer (default: SmolLM2-135M-Instruct)",

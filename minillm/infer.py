@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the plain from-scratch model, without the fast paths swapped in after loading "
                         "(oneDNN float32 matmuls on CPU); same tokens, slower")
     add_graph_flags(p, compile_help="decode through the compiled graph (lesson 15), building it first when it is "
-                    "not on disk yet (one to three minutes on two cores, once per model, batch size and length bucket; "
+                    "not on disk yet (40 s to three minutes on two cores, once per model, batch size and length bucket; "
                     "`python -m minillm.compile` builds it ahead); with --device cuda it is compiled in the run and "
                     "captured as a CUDA graph before the first token (one launch per step); same tokens in float32; "
                     "plain generation with --cache static only")

@@ -13,6 +13,7 @@ run when MINILLM_SLOW_TESTS=1 is set.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -100,19 +101,27 @@ def test_compiled_model_refuses_a_growing_cache(tiny_llama):
         generate(tiny_llama[0], [1, 2], max_new_tokens=2, cache="dynamic", compile=True)
 
 
-def test_autotuning_is_left_to_models_large_enough_to_gain():
-    """Tiny models compile without autotuning (it would triple their compile time for nothing); the default
-    model's size autotunes; an explicit choice is kept, and is part of what a kept package's key holds."""
+def test_autotuning_is_left_to_models_and_machines_where_it_gains(monkeypatch):
+    """Tiny models compile without autotuning (it would triple their compile time for nothing); a large float
+    model autotunes unless the machine's libraries already stream its matvecs; a large quantized one always
+    does; an explicit choice is kept, and is part of what a kept package's key holds."""
     from minillm.model.config import ModelConfig
     from minillm.model.transformer import Transformer
+    from minillm.speed import inductor
     from minillm.speed.inductor import AUTOTUNE_MIN_ELEMENTS, worth_autotuning
+    from minillm.speed.quantize_model import quantize_model
 
     tiny = tiny_pair("llama")[1]
     large = Transformer(ModelConfig(vocab_size=4096, context_length=64, n_layer=1, n_head=4, d_model=256))
+    quantized = quantize_model(copy.deepcopy(large), "int8")
     assert sum(p.numel() for p in large.parameters()) >= AUTOTUNE_MIN_ELEMENTS
-    assert not worth_autotuning(tiny) and worth_autotuning(large)
-    assert CompiledModel(tiny, kept=True).settings == {"autotune": False}
-    assert CompiledModel(large, kept=True).settings == {"autotune": True}
+    for fast_libraries in (False, True):
+        monkeypatch.setattr(inductor, "libraries_stream_matvecs", lambda: fast_libraries)
+        assert not worth_autotuning(tiny)
+        assert worth_autotuning(large) is not fast_libraries
+        assert worth_autotuning(quantized)
+        assert CompiledModel(tiny, kept=True).settings == {"autotune": False}
+        assert CompiledModel(large, kept=True).settings == {"autotune": not fast_libraries}
     assert CompiledModel(tiny, autotune=True, kept=True).settings == {"autotune": True}
     assert compile_model(tiny, kept=True) is compile_model(tiny, autotune=False, kept=True)
 

@@ -105,7 +105,7 @@ class CompiledModel:
     def prepare(self, shapes, session=None, progress: bool = True) -> float:
         """Make the steps of these `StepShape`s (and `PagedShape`s) ready before the run; the seconds it took.
 
-        Kept: load (or build, and keep) their packages. Building is the slow part (one to three minutes
+        Kept: load (or build, and keep) their packages. Building is the slow part (40 s to three minutes
         per graph for the default model on two cores, once per machine); loading a kept package
         takes a fraction of a second. In this process (`kept=False`, what a GPU runs): compile each step
         over `session`'s cache (a fixed-shape `DecodeSession`) and, on a GPU, record it as a CUDA

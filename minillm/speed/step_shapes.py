@@ -80,7 +80,7 @@ class PagedShape:
 
     A server's steps differ in the rows decoding, the blocks each row's keys span and the
     pool's size. Buckets of fixed shapes would need a graph per (rows, blocks) pair, tens of
-    builds of one to three minutes each on two cores; instead the three sizes stay symbolic in the exported program
+    builds of 40 s to three minutes each on two cores; instead the three sizes stay symbolic in the exported program
     (`torch.export`'s `Dim`), and the generated C++ loops run over sizes read at each call.
     Only the block size is fixed: it is baked into the slot arithmetic.
     """
