@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 
 import pytest
 
@@ -400,6 +401,33 @@ def test_options_for_another_command_are_refused(argv, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "applies to" in capsys.readouterr().err
+
+
+def test_a_failing_suite_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """A suite that fails (a contender crashing, a missing file) ends the runner with one line and exit 2."""
+    from minillm.bench import processes
+    from minillm.bench.cli import main
+
+    def fail(args):
+        raise RuntimeError("llama.cpp crashed on the Q8_0 file")
+
+    monkeypatch.setattr(processes, "run", fail)
+    assert main(["cli", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "minillm: error: llama.cpp crashed on the Q8_0 file"
+    assert "Traceback" not in err
+
+
+def test_a_crashing_llama_cpp_is_caught_before_the_builds(monkeypatch, tmp_path):
+    """llama.cpp killed by a signal (its AMX matmul on some Xeons) is named with the fix before minutes of builds."""
+    from minillm.bench import processes
+
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    monkeypatch.setattr(processes, "llama_command", lambda path, new_tokens: crash)
+    with pytest.raises(RuntimeError, match=r"crashed on the Q4_1 file model\.gguf \(signal 11\).*without AMX"):
+        processes.check_llama_runs({"Q4_1": tmp_path / "model.gguf"})
+    monkeypatch.setattr(processes, "llama_command", lambda path, new_tokens: [sys.executable, "-c", "pass"])
+    processes.check_llama_runs({"Q4_1": tmp_path / "model.gguf"})  # a contender that runs passes
 
 
 def test_every_option_is_assigned_to_commands():

@@ -27,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..base.commands import run_command
 from ..base.jsonio import write_json
 from .common import README, REPO, RESULTS, SUITES, machine_info
 
@@ -146,9 +147,13 @@ def provenance(argv: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
+    """Run a suite (or `report`); a failure is one line on stderr, as with every `python -m minillm...` command."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    return run_command(parser, lambda args: run(parser, args, argv), argv)
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     check_options(parser, args)
     if args.out is None:  # a GPU's figures beside the CPU's, never over them
         args.out = RESULTS / "cuda" if args.device.startswith("cuda") else RESULTS
@@ -158,11 +163,7 @@ def main(argv=None) -> int:
         return report.main(args)
     module = importlib.import_module(SUITES[args.suite])
     stamp = provenance(argv)  # before the run: the code that is measured
-    try:
-        data = module.run(args)
-    except KeyboardInterrupt:
-        print("\nminillm.bench: interrupted", file=sys.stderr)
-        return 130
+    data = module.run(args)
     data = {"suite": args.suite, "machine": machine_info(args.device), **stamp, **data}
     json_path = write_results(args.suite, data, args.out)
     png_path = args.out / f"{args.suite}.png"

@@ -3,6 +3,12 @@
 llama.cpp is the C++ engine the course measures itself against. It is optional:
 `pip install llama-cpp-python` builds it from source (a few minutes, needs cmake and
 a C++ compiler), so the suites include it when it imports and say why not otherwise.
+On a CPU with AMX (a Xeon of the Sapphire Rapids generation or later) the native build
+crashes in its AMX matmul on quantized files, even with `use_extra_bufts=False`. Built
+for AVX-512 without AMX it runs (the same vector code for batch-1 decode):
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+    -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON" pip install --no-cache-dir llama-cpp-python
 
 The default model ships as one Q4_1 GGUF. A fair FP32 comparison needs llama.cpp on
 the *same* weights at full precision, and the int8 one on llama.cpp's own 8-bit

@@ -70,6 +70,17 @@ def timed_process(command: list[str], env: dict) -> dict:
             "path": path.group(1) if path else None, "text": b"".join(chunks).decode(errors="replace")}
 
 
+def check_llama_runs(ggufs: dict[str, Path]) -> None:
+    """Each llama.cpp contender once, for one token, before minutes of builds: a crash stops the suite at once,
+    with its fix."""
+    for kind, path in ggufs.items():
+        child = subprocess.run(llama_command(path, 1), cwd=REPO, capture_output=True)
+        if child.returncode < 0:
+            raise RuntimeError(f"llama.cpp crashed on the {kind} file {path.name} (signal {-child.returncode}): on a "
+                               f"CPU with AMX its native build does; rebuild llama-cpp-python without AMX (the flags "
+                               f"are in minillm/bench/llama_cpp.py)")
+
+
 def fresh_home(real: Path, into: Path) -> Path:
     """A $MINILLM_HOME holding links to the real one's model conversions and GGUF copies, and no graphs."""
     into.mkdir(parents=True, exist_ok=True)
@@ -92,6 +103,7 @@ def run(args) -> dict:
         ggufs = {"F32": gguf_as(source, "F32")}
         if not quick:
             ggufs.update({"Q8_0": gguf_as(source, "Q8_0"), "Q4_1": source})
+        check_llama_runs(ggufs)
     builds, records = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "MINILLM_HOME": str(fresh_home(minillm_home(), Path(tmp) / "home")),
