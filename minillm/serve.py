@@ -9,7 +9,9 @@ before the model loads, so a taken port fails in a second) and uvicorn.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, run_command
 from .serving.launch import bind, build_server
@@ -105,7 +107,6 @@ def run(args) -> int:
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching,
         graph="compiled" if args.compile else "eager" if args.eager else "auto")
-    runner.start()
     host, port = sock.getsockname()[:2]
     engine = runner.engine.runner
     path = (f"decode steps compiled (loaded or built in {engine.build_seconds:.1f} s)" if engine.graph == "compiled"
@@ -114,11 +115,17 @@ def run(args) -> int:
                             "the compiled decode step once, and later starts load it"))
     print(f"minillm: serving {name!r} on http://{host}:{port}/v1 (max {max_model_len} tokens per request, "
           f"{args.max_num_seqs} at once; path: {path}; Ctrl-C stops)", file=sys.stderr, flush=True)
+    # HTTP on a thread, the engine on this one (`AsyncEngine.run_here` says why: OpenMP runs a decode step at
+    # half speed on a second thread). SIGTERM ends the engine's loop after its step; Ctrl-C interrupts it.
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=1))
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: runner.stop_soon())
+    http.start()
     try:
-        server.run(sockets=[sock])
+        runner.run_here(keep_going=http.is_alive)
     finally:
-        runner.stop()
+        server.should_exit = True
+        http.join(timeout=5)
     return 0
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -446,6 +449,41 @@ def test_serve_command_line_errors_are_one_line(capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("minillm: error: ") for line in lines), lines
     assert "--port 70000" in lines[0] and "Pick another --port" in lines[1] and "--max-num-seqs 0" in lines[2]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_serve_command_answers_then_stops_on_a_signal(stop):
+    """`python -m minillm.serve` runs its engine on the main thread and HTTP on another: it answers, SIGTERM
+    ends it cleanly (exit 0) and Ctrl-C in one line (exit 130), never a traceback."""
+    from minillm.bench.server import free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "minillm.serve", "--eager", "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.communicate()[1][-2000:]
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="default", prompt="The capital of France is", max_tokens=4,
+                                           temperature=0)
+        assert answer.usage.completion_tokens == 4
+        process.send_signal(getattr(signal, stop))
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert "Traceback" not in err
+    if stop == "SIGTERM":
+        assert process.returncode == 0, err[-2000:]
+    else:
+        assert process.returncode == 130 and err.strip().endswith("minillm: interrupted"), err[-2000:]
 
 
 def test_loadtest_command_line_measures_a_server(default_model, capsys):
