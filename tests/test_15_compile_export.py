@@ -101,29 +101,38 @@ def test_compiled_model_refuses_a_growing_cache(tiny_llama):
         generate(tiny_llama[0], [1, 2], max_new_tokens=2, cache="dynamic", compile=True)
 
 
-def test_autotuning_is_left_to_models_and_machines_where_it_gains(monkeypatch):
+def test_autotuning_is_left_to_models_steps_and_machines_where_it_gains(monkeypatch):
     """Tiny models compile without autotuning (it would triple their compile time for nothing); a large float
-    model autotunes unless the machine's libraries already stream its matvecs; a large quantized one always
-    does; an explicit choice is kept, and is part of what a kept package's key holds."""
+    model's one-row steps autotune unless the machine's libraries already stream matvecs, its steps over several
+    rows (a batch, a verify chunk, the server's any-rows step) always; a large quantized one always; an explicit
+    choice holds for every shape, and is part of what a kept package's key holds."""
     from minillm.model.config import ModelConfig
     from minillm.model.transformer import Transformer
     from minillm.speed import inductor
     from minillm.speed.inductor import AUTOTUNE_MIN_ELEMENTS, worth_autotuning
     from minillm.speed.quantize_model import quantize_model
+    from minillm.speed.step_shapes import PagedShape, StepShape
 
     tiny = tiny_pair("llama")[1]
     large = Transformer(ModelConfig(vocab_size=4096, context_length=64, n_layer=1, n_head=4, d_model=256))
     quantized = quantize_model(copy.deepcopy(large), "int8")
     assert sum(p.numel() for p in large.parameters()) >= AUTOTUNE_MIN_ELEMENTS
+    one_row, batch, verify = (StepShape.decode(large.config, 1, 64), StepShape.decode(large.config, 4, 64),
+                              StepShape.verify(large.config, 1, 5, 64))
+    assert (one_row.rows, batch.rows, verify.rows, PagedShape(16).rows) == (1, 4, 5, None)
     for fast_libraries in (False, True):
         monkeypatch.setattr(inductor, "libraries_stream_matvecs", lambda: fast_libraries)
-        assert not worth_autotuning(tiny)
+        assert not any(worth_autotuning(tiny, rows) for rows in (1, 8, None))
         assert worth_autotuning(large) is not fast_libraries
+        assert worth_autotuning(large, 8) and worth_autotuning(large, None)
         assert worth_autotuning(quantized)
-        assert CompiledModel(tiny, kept=True).settings == {"autotune": False}
-        assert CompiledModel(large, kept=True).settings == {"autotune": not fast_libraries}
-    assert CompiledModel(tiny, autotune=True, kept=True).settings == {"autotune": True}
-    assert compile_model(tiny, kept=True) is compile_model(tiny, autotune=False, kept=True)
+        compiled = CompiledModel(large, kept=True)
+        assert compiled.settings_for(one_row) == {"autotune": not fast_libraries}
+        assert all(compiled.settings_for(shape) == {"autotune": True} for shape in (batch, verify, PagedShape(16)))
+        assert CompiledModel(tiny, kept=True).settings_for(PagedShape(16)) == {"autotune": False}
+        assert CompiledModel(large, autotune=False, kept=True).settings_for(batch) == {"autotune": False}
+    assert CompiledModel(tiny, autotune=True, kept=True).settings_for(one_row) == {"autotune": True}
+    assert compile_model(tiny, kept=True) is compile_model(tiny, kept=True)
 
 
 def test_context_buckets_are_few_and_hold_the_run():

@@ -66,10 +66,10 @@ class CompiledModel:
     def __init__(self, model, chunk: int = 64, autotune: bool | None = None, kept: bool = False):
         """kept: run the graphs as AOTInductor packages kept on disk (`minillm.speed.graph_store`), built
         or loaded by `prepare` before the run; False: torch.compile them in this process as they are met.
-        autotune: None decides by the model's size (`worth_autotuning`)."""
+        autotune: None decides for each step's shape, by the model, the rows it multiplies and the machine
+        (`worth_autotuning`); True or False decides for every shape."""
         if chunk < 1:
             raise ValueError(f"chunk={chunk}: the prefill chunk length must be >= 1")
-        autotune = worth_autotuning(model) if autotune is None else autotune
         self.model, self.chunk, self.config, self.autotune, self.kept = model, chunk, model.config, autotune, kept
         self.graphs = 0  # graphs compiled so far (a recompile adds one)
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
@@ -79,7 +79,6 @@ class CompiledModel:
         # compiled step. After `prepare`, a shape not in here runs eagerly instead of compiling in the loop.
         self.packages = {}
         self.only_prepared = kept
-        self.settings = {"autotune": autotune}  # what else, beside model and shape, changes a kept package
         if kept:  # the traced copy is made only if a package must be built: loading one needs no copy
             return
         # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
@@ -100,7 +99,16 @@ class CompiledModel:
 
     def is_built(self, shape: StepShape) -> bool:
         """Whether a kept package for `shape` is on disk, so `prepare` would load rather than build it."""
-        return is_built(self.model, shape, self.settings)
+        return is_built(self.model, shape, self.settings_for(shape))
+
+    def autotune_for(self, shape: StepShape | PagedShape) -> bool:
+        """Whether the step of `shape` is compiled with autotuned matmuls: the choice given, or `worth_autotuning`'s
+        for the rows its matmuls multiply (one row: matrix-vector products; more, or any number: matrix products)."""
+        return worth_autotuning(self.model, shape.rows) if self.autotune is None else self.autotune
+
+    def settings_for(self, shape: StepShape | PagedShape) -> dict:
+        """What, beside the model and the shape, changes the kept package of `shape`: part of its key."""
+        return {"autotune": self.autotune_for(shape)}
 
     def prepare(self, shapes, session=None, progress: bool = True) -> float:
         """Make the steps of these `StepShape`s (and `PagedShape`s) ready before the run; the seconds it took.
@@ -130,10 +138,10 @@ class CompiledModel:
                   leave=False) as bar:
             for shape in needed:
                 if self.kept:
-                    key = graph_key(self.model, shape, self.settings)
+                    key, autotune = graph_key(self.model, shape, self.settings_for(shape)), self.autotune_for(shape)
                     self.packages[shape] = load_or_build(
                         self.model, lambda: shape.module(self.step_module), shape, key,
-                        lambda: inductor_settings(self.autotune, self.device), progress=bar.set_postfix_str)
+                        lambda: inductor_settings(autotune, self.device), progress=bar.set_postfix_str)
                 else:
                     self.packages[shape] = self._warm(shape, session, captured)
                 bar.update()
@@ -148,7 +156,7 @@ class CompiledModel:
         keys, values = session.cache.k_layers, session.cache.v_layers
         inputs = shape.example_inputs(self.config, self.dtype, self.device)[:-2]  # writes column 0 onward
         if captured:
-            with inductor_settings(self.autotune, self.device):
+            with inductor_settings(self.autotune_for(shape), self.device):
                 step = CapturedStep(self._compiled_step, inputs, keys, values)
         else:
             self._timed(*inputs, keys, values)
@@ -186,10 +194,11 @@ class CompiledModel:
         """Run the step: a kept package, a step recorded as a CUDA graph, or this process's compiled step
         (which, met for the first time, compiles: its wall time is added to `compile_seconds`).
         args: `CacheStep.forward`'s."""
-        prepared = self.packages.get(StepShape.of_step(*args))
+        shape = StepShape.of_step(*args)
+        prepared = self.packages.get(shape)
         if isinstance(prepared, (PackagedStep, CapturedStep)):
             return prepared(*args)
-        with inductor_settings(self.autotune, self.device):  # set while the step runs: a graph compiles on its first call
+        with inductor_settings(self.autotune_for(shape), self.device):  # set while the step runs: a graph compiles on its first call
             return self._compiled_step(*args)
 
     def __call__(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
@@ -300,15 +309,14 @@ def compile_model(model, chunk: int = 64, autotune: bool | None = None, kept: bo
     """The model's compiled twin, made once per model and settings (compiled graphs are kept with it).
 
     autotune: let Inductor time generated matmul kernels against the library's and keep the
-    fastest (`inductor_settings`): slower to compile, faster to run; None (the default): when
-    the model is large enough for it to pay (`worth_autotuning`). kept: its graphs are
+    fastest (`inductor_settings`): slower to compile, faster to run; None (the default): for each
+    step where it pays, by the model, the step's rows and the machine (`worth_autotuning`). kept: its graphs are
     AOTInductor packages on disk (`minillm.speed.graph_store`), built once per machine and loaded
     by `CompiledModel.prepare`; False: compiled in this process by torch.compile when first met.
     """
     if isinstance(model, CompiledModel):
         return model
     per_model = _COMPILED.setdefault(model, {})
-    autotune = worth_autotuning(model) if autotune is None else autotune
     if (chunk, autotune, kept) not in per_model:
         per_model[chunk, autotune, kept] = CompiledModel(model, chunk, autotune, kept)
     return per_model[chunk, autotune, kept]

@@ -20,8 +20,9 @@ from .quant import QuantizedLinear
 AUTOTUNE_MIN_ELEMENTS = 1_000_000
 
 
-def worth_autotuning(model) -> bool:
-    """Whether autotuning pays for this model on this machine.
+def worth_autotuning(model, rows: int | None = 1) -> bool:
+    """Whether autotuning pays for a step of this model on this machine whose matmuls multiply `rows` rows
+    (1: a batch-1 decode step; None: any number, decided at each call, as the server's step).
 
     Autotuning generates, compiles and times a kernel for every matmul (`inductor_settings`). What
     it buys depends on the kernels it competes with, and what it costs is build time. Measured on
@@ -33,13 +34,17 @@ def worth_autotuning(model) -> bool:
         float, 2-core AMD EPYC (AVX2)   30 up-projections [3072, 576]: MKL 33%, oneDNN 54%, the generated
                                         kernel 85% of the read bandwidth (lesson 15's notebook), 1.6x
                                         oneDNN's speed; the FP32 build takes 175 s
-        float, 2-core Xeon (AVX-512)    MKL 85%, oneDNN 76%, the frozen graph's library calls 97%,
-                                        autotuned 90%: 43.6 vs 41.5 tok/s (+5%) for a build of 92 s
-                                        instead of 40 s
+        float, 2-core Xeon (AVX-512)    one row: MKL 85%, oneDNN 76%, the frozen graph's library calls
+                                        97%, autotuned 90%: 43.6 vs 41.5 tok/s (+5%) for a build of 92 s
+                                        instead of 40 s. Several rows: the graph's library call (MKL,
+                                        the weight not prepacked) takes 8.0 ms for those 30 matmuls at
+                                        one row, 15.6 at 4 and 20.7 at 8 (oneDNN prepacked: 11.7-13.2);
+                                        the server's step over 8 rows 62 ms plain, 54 autotuned
 
-    So a quantized model is always autotuned; a float one is, unless Intel's libraries already stream
-    its matvecs (`libraries_stream_matvecs`). A model of a few thousand weights (the course's tiny test
-    models) runs no faster with a tuned kernel and would triple its compile time.
+    So a quantized model is always autotuned; a float one is, unless the step multiplies one row and
+    Intel's libraries already stream matvecs (`libraries_stream_matvecs`). A model of a few thousand
+    weights (the course's tiny test models) runs no faster with a tuned kernel and would triple its
+    compile time.
     """
     if model.device.type != "cpu":
         # On a GPU a decode step's matmuls are already cuBLAS kernels streaming near the bandwidth; what
@@ -47,7 +52,8 @@ def worth_autotuning(model) -> bool:
         return False
     if sum(tensor.numel() for tensor in itertools.chain(model.parameters(), model.buffers())) < AUTOTUNE_MIN_ELEMENTS:
         return False
-    return any(isinstance(module, QuantizedLinear) for module in model.modules()) or not libraries_stream_matvecs()
+    quantized = any(isinstance(module, QuantizedLinear) for module in model.modules())
+    return quantized or rows != 1 or not libraries_stream_matvecs()
 
 
 @functools.cache

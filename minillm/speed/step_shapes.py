@@ -30,6 +30,11 @@ class StepShape:
     logits: int
 
     @property
+    def rows(self) -> int:
+        """The rows each of the step's weight matmuls multiplies: every token of every row."""
+        return self.batch * self.tokens
+
+    @property
     def name(self) -> str:
         kind = "decode" if self.tokens == 1 else "prefill" if self.logits == 1 else "verify"
         return f"{kind}-b{self.batch}-t{self.tokens}-s{self.cache_len}"
@@ -86,6 +91,11 @@ class PagedShape:
     """
 
     block_size: int
+
+    @property
+    def rows(self) -> None:
+        """The rows its weight matmuls multiply: any number, decided at each call (symbolic)."""
+        return None
 
     @property
     def name(self) -> str:
