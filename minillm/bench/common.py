@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..base.machine import cpuinfo_field
+
 SUITES = {
     "decode": "minillm.bench.decode",
     "cache-scaling": "minillm.bench.cache_scaling",
@@ -41,25 +43,13 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "am
              "asimd", "asimddp", "bf16", "i8mm", "sve")
 
 
-def _cpuinfo_field(*keys: str) -> str | None:
-    """The first /proc/cpuinfo value under one of `keys` (None off Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in keys:
-                return value.strip()
-    except OSError:
-        pass
-    return None
-
-
 def cpu_name() -> str:
-    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:
     """The ISA_FLAGS this CPU reports: whether BF16 or int8 can be fast depends on them (lesson 05)."""
-    reported = set((_cpuinfo_field("flags", "Features") or "").split())
+    reported = set((cpuinfo_field("flags", "Features") or "").split())
     return [flag for flag in ISA_FLAGS if flag in reported]
 
 

@@ -44,6 +44,7 @@ import torch
 
 from ..base.files import cache_lock, minillm_home, one_line, remove, replace_folder, temporary_path, verify_requested
 from ..base.jsonio import write_json
+from ..base.machine import cpuinfo_field
 from ..base.manifest import file_record, files_problem, read_manifest, refresh_manifest, write_manifest
 from .step_shapes import PagedShape, StepShape
 
@@ -172,14 +173,7 @@ def source_digest() -> str:
 @functools.cache
 def machine_code() -> dict:
     """What the generated C++ is compiled for: torch's build, its CPU instruction set, the CPU's flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        flags = platform.processor()
+    flags = cpuinfo_field("flags", "Features") or platform.processor()
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16],
             "python": platform.python_version()}

@@ -10,11 +10,11 @@ import contextlib
 import functools
 import itertools
 import warnings
-from pathlib import Path
 from unittest import mock
 
 import torch
 
+from ..base.machine import cpuinfo_field
 from .quant import QuantizedLinear
 
 AUTOTUNE_MIN_ELEMENTS = 1_000_000
@@ -60,13 +60,7 @@ def worth_autotuning(model, rows: int | None = 1) -> bool:
 def libraries_stream_matvecs() -> bool:
     """Whether MKL and oneDNN already run a batch-1 matmul near the memory bandwidth here: an Intel CPU with
     AVX-512 (see `worth_autotuning` for the measurements behind it)."""
-    vendor = ""
-    try:
-        vendor = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                       if line.startswith("vendor_id")), "")
-    except OSError:
-        pass
-    return vendor == "GenuineIntel" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return cpuinfo_field("vendor_id") == "GenuineIntel" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 @contextlib.contextmanager
