@@ -79,6 +79,7 @@ class CompiledModel:
         # compiled step. After `prepare`, a shape not in here runs eagerly instead of compiling in the loop.
         self.packages = {}
         self.only_prepared = kept
+        self._autotune_by_rows = {}  # worth_autotuning's answer per rows, asked once (it walks the model's tensors)
         if kept:  # the traced copy is made only if a package must be built: loading one needs no copy
             return
         # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
@@ -104,7 +105,11 @@ class CompiledModel:
     def autotune_for(self, shape: StepShape | PagedShape) -> bool:
         """Whether the step of `shape` is compiled with autotuned matmuls: the choice given, or `worth_autotuning`'s
         for the rows its matmuls multiply (one row: matrix-vector products; more, or any number: matrix products)."""
-        return worth_autotuning(self.model, shape.rows) if self.autotune is None else self.autotune
+        if self.autotune is not None:
+            return self.autotune
+        if shape.rows not in self._autotune_by_rows:
+            self._autotune_by_rows[shape.rows] = worth_autotuning(self.model, shape.rows)
+        return self._autotune_by_rows[shape.rows]
 
     def settings_for(self, shape: StepShape | PagedShape) -> dict:
         """What, beside the model and the shape, changes the kept package of `shape`: part of its key."""

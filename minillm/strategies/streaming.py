@@ -86,8 +86,9 @@ class IteratorStreamer:
 
     Only needed when generation must run in another thread: `stream()` gives the same
     loop in one thread, and on a CPU it is also the faster one (a second thread's OpenMP
-    work runs at up to half speed once the main thread has used OpenMP: lesson 13). `timeout` bounds the wait for each piece (TimeoutError); leaving
-    the loop early makes the generating thread stop at its next piece.
+    work runs at up to half speed once the main thread has used OpenMP: lesson 13).
+    `timeout` bounds the wait for each piece (TimeoutError); leaving the loop early makes
+    the generating thread stop at its next piece.
     """
 
     def __init__(self, timeout: float | None = None, *, with_row: bool = False):
