@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minillm.model.transformer import causal_positions
+from minillm.speed.huge_pages import into_huge_pages, model_into_huge_pages
 from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
 from minillm.strategies.generate import generate
 
@@ -64,6 +65,81 @@ def test_default_model_low_precision_drift_is_bounded(default_model, dtype):
     assert d.mean_kl <= max_kl, d
     out = generate(low, ["Once upon a time"], tokenizer=tokenizer, max_new_tokens=12, eos_token_id=())
     assert len(out.rows[0].token_ids) == 12 and out.rows[0].text.strip()
+
+
+def huge_page_bytes(address: int) -> int | None:
+    """How many bytes of the memory mapping holding `address` the kernel backs with huge pages (None: no smaps)."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def test_tensors_moved_into_huge_pages_keep_their_values_layouts_and_sharing():
+    base = torch.randn(6, 10)
+    view, other, packed = base[1:4, 2:], torch.arange(9, dtype=torch.int8), torch.randn(5).to(torch.bfloat16)
+    moved = into_huge_pages([base, view, other, packed])
+    for before, after in zip([base, view, other, packed], moved):
+        assert torch.equal(before, after) and before.dtype == after.dtype
+        assert (before.stride(), before.storage_offset()) == (after.stride(), after.storage_offset())
+        assert after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr()
+        assert after.untyped_storage().data_ptr() % 64 == 0  # each storage starts on a cache line
+    assert moved[1].untyped_storage().data_ptr() == moved[0].untyped_storage().data_ptr()  # still a view of it
+    assert moved[2].untyped_storage().data_ptr() != moved[0].untyped_storage().data_ptr()  # a storage of its own
+    moved[0][1, 2] = 7.0
+    assert moved[1][0, 0] == 7.0 and base[1, 2] != 7.0  # a copy: writes reach its views, not the original
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's setting (`[madvise]` on most systems); skips the test where it gives none."""
+    try:
+        setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this system")
+    if "[never]" in setting:
+        pytest.skip("transparent huge pages are turned off on this machine")
+    return setting
+
+
+def test_weights_in_huge_pages_are_backed_by_huge_pages_where_the_kernel_gives_them():
+    thp = transparent_huge_pages()
+    weight = into_huge_pages([torch.randn(2048, 1024)])[0]  # 8 MiB: four huge pages
+    assert huge_page_bytes(weight.data_ptr()) >= 4 << 20
+    plain = torch.randn(2048, 1024)
+    assert "[always]" in thp or not huge_page_bytes(plain.data_ptr())  # what PyTorch's allocator gets by itself
+
+
+def test_load_model_puts_the_weights_in_huge_pages(default_model):
+    transparent_huge_pages()
+    model, _ = default_model
+    assert huge_page_bytes(model.tok_emb.weight.data_ptr()) >= 64 << 20  # the 113 MB embedding, most of it in 2 MiB
+
+
+def test_a_model_in_huge_pages_computes_the_same_logits_and_keeps_tied_weights(tiny):
+    _, model = tiny
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.inference_mode():
+        expected = model(tokens, causal_positions(2, 12))
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    addresses = {name: parameter.data_ptr() for name, parameter in parameters.items()}
+    model_into_huge_pages(model)
+    assert all(parameters[name].data_ptr() != address for name, address in addresses.items())
+    assert dict(model.named_parameters(remove_duplicate=False)).keys() == parameters.keys()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        assert parameter is parameters[name]  # the same Parameter, only its data moved: ties hold
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    with torch.inference_mode():
+        assert torch.equal(model(tokens, causal_positions(2, 12)), expected)  # float32: bit for bit
 
 
 def test_notebook_runs(run_notebook):

@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..base.machine import cpuinfo_field
+from ..speed.huge_pages import into_huge_pages
 
 SUITES = {
     "decode": "minillm.bench.decode",
@@ -178,8 +179,12 @@ def bandwidth_probe(gib: float = 1.0, passes: int = 3, device: str = "cpu"):
     alternating run, it is the bandwidth the memory system offered while they ran: on a
     shared VM that drifts with the neighbours' load (we saw 35-69 GB/s), and a roofline
     measured at another moment would credit or blame the contenders for the drift.
+    On a CPU the tensor sits in huge pages, where `load_model` places the weights
+    (`minillm.speed.huge_pages`): the ceiling is measured on the pages they are read from.
     """
     x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+    if x.device.type == "cpu":
+        x = into_huge_pages([x])[0]
 
     def run() -> float:
         times = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..model.loading import read_model
+from .huge_pages import model_into_huge_pages
 from .onednn import use_onednn
 from .quant_gguf import apply_quantization
 
@@ -14,8 +15,9 @@ def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
     """Return (model, tokenizer) ready for inference (eval mode, no grad needed).
 
     name_or_path: "default" (SmolLM2-135M-Instruct), "gemma3-270m", a local Hugging Face folder or GGUF
-    file, or a hub name. fast: apply the hardware fast paths as module swaps after loading (today:
-    oneDNN float32 matmuls on a CPU, `minillm.speed.onednn`); False keeps the plain from-scratch model.
+    file, or a hub name. fast: apply the hardware fast paths after loading (on a CPU: oneDNN float32 matmuls,
+    `minillm.speed.onednn`, as module swaps, and every weight in huge pages, `minillm.speed.huge_pages`);
+    False keeps the plain from-scratch model.
     quant: "none", or a quantization the command line offers (`apply_quantization`), swapped in after
     loading; refused before anything loads on a device its kernels do not run on.
     """
@@ -26,6 +28,8 @@ def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
         use_onednn(model)
     if quant != "none":
         apply_quantization(model, quant, name_or_path)
+    if fast and model.device.type == "cpu":
+        model_into_huge_pages(model)  # last: the quantized blocks are weights too
     return model, tokenizer
 
 
