@@ -14,7 +14,7 @@ from unittest import mock
 
 import torch
 
-from ..base.machine import cpuinfo_field
+from .onednn import libraries_stream_matvecs
 from .quant import QuantizedLinear
 
 AUTOTUNE_MIN_ELEMENTS = 1_000_000
@@ -54,13 +54,6 @@ def worth_autotuning(model, rows: int | None = 1) -> bool:
         return False
     quantized = any(isinstance(module, QuantizedLinear) for module in model.modules())
     return quantized or rows != 1 or not libraries_stream_matvecs()
-
-
-@functools.cache
-def libraries_stream_matvecs() -> bool:
-    """Whether MKL and oneDNN already run a batch-1 matmul near the memory bandwidth here: an Intel CPU with
-    AVX-512 (see `worth_autotuning` for the measurements behind it)."""
-    return cpuinfo_field("vendor_id") == "GenuineIntel" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 @contextlib.contextmanager

@@ -12,6 +12,14 @@ over the weight, so it is done on the first forward and kept (twice the weight
 memory) until the weight changes. Measure it on your machine:
 `python -m minillm.bench decode` runs both.
 
+One row (a batch-1 decode step) is the exception on an Intel CPU with AVX-512
+(`libraries_stream_matvecs`): there MKL's matrix-vector product streams the weight
+faster than oneDNN's, and it reads the weight where `load_model` put it, in huge pages,
+where oneDNN reads its own packed copy on ordinary pages. Eager decoding of the default
+model, measured on the course's 2-core Xeon: 18-20 tok/s through oneDNN, 26.5-27.5
+through MKL. On the AMD EPYC (AVX2) of earlier runs MKL's one-row product read the
+weights at a third of the bandwidth, oneDNN's at half: there oneDNN keeps every shape.
+
 The products are the same dot products summed in another order: results differ from
 `F.linear` by float32 rounding, as any two BLAS libraries do. Everything else (GPUs,
 bf16/fp16, training, a PyTorch without oneDNN) falls back to plain `F.linear`.
@@ -19,9 +27,13 @@ bf16/fp16, training, a PyTorch without oneDNN) falls back to plain `F.linear`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..base.machine import cpuinfo_field
 
 
 class OneDNNLinear(nn.Linear):
@@ -36,7 +48,8 @@ class OneDNNLinear(nn.Linear):
         w = self.weight
         return (x.device.type == "cpu" and w.dtype == x.dtype == torch.float32
                 and not (torch.is_grad_enabled() and w.requires_grad)  # the oneDNN op has no backward
-                and torch.backends.mkldnn.is_available())
+                and torch.backends.mkldnn.is_available()
+                and not (x.numel() == x.shape[-1] and libraries_stream_matvecs()))  # one row: MKL's is faster
 
     def _packed_weight(self):
         """oneDNN's copy of the weight, repacked whenever the weight is replaced or edited."""
@@ -60,6 +73,14 @@ class OneDNNLinear(nn.Linear):
     def __getstate__(self):
         """Copies and pickles leave the packed copy behind (oneDNN tensors cannot be copied)."""
         return {k: v for k, v in super().__getstate__().items() if k not in ("_packed", "_packed_key")}
+
+
+@functools.cache
+def libraries_stream_matvecs() -> bool:
+    """Whether MKL and oneDNN already run a one-row matmul near the memory bandwidth here: an Intel CPU with
+    AVX-512 (measurements in `minillm.speed.inductor.worth_autotuning`). There MKL's matrix-vector product on
+    the weight where it lies (in huge pages, `minillm.speed.huge_pages`) beats oneDNN's on its packed copy."""
+    return cpuinfo_field("vendor_id") == "GenuineIntel" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def use_onednn(model: nn.Module) -> nn.Module:
@@ -87,4 +108,4 @@ def uses_onednn(model: nn.Module) -> bool:
     return any(type(m) is OneDNNLinear for m in model.modules())
 
 
-__all__ = ["OneDNNLinear", "use_onednn", "use_plain_linear", "uses_onednn"]
+__all__ = ["OneDNNLinear", "libraries_stream_matvecs", "use_onednn", "use_plain_linear", "uses_onednn"]
