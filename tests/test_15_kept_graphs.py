@@ -128,6 +128,23 @@ def test_the_key_follows_weights_shape_and_settings():
     assert graph_store.weights_digest(frozen) == graph_store.weights_digest(model)
 
 
+def test_the_weights_digest_reads_every_piece_of_every_tensor(monkeypatch):
+    """Hashed in pieces on every core: a byte changed in any piece, or the pieces' order, changes the digest, and it
+    does not depend on how many threads hashed it."""
+    monkeypatch.setattr(graph_store, "HASH_PIECE", 64)  # bytes: a 40x3 float32 weight is 480 bytes, 8 pieces
+    module = torch.nn.Linear(3, 40, bias=False).requires_grad_(False)
+    digest = graph_store.weights_digest(module)
+    for index in (0, 17, 119):  # the first piece, a middle one, the last
+        changed = copy.deepcopy(module)
+        changed.weight.view(-1)[index] += 1
+        assert graph_store.weights_digest(changed) != digest
+    swapped, flat = copy.deepcopy(module), module.weight.view(-1)
+    swapped.weight.view(-1)[:32] = torch.cat([flat[16:32], flat[:16]])
+    assert graph_store.weights_digest(swapped) != digest  # two pieces swapped
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert graph_store.weights_digest(copy.deepcopy(module)) == digest
+
+
 BUILDER = """
 import json, sys, torch
 from minillm.model.attention import set_attention_backend
