@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import mmap
 
 import torch
 
@@ -65,3 +66,19 @@ def largest_activations(model, token_ids):
         for handle in handles:  # leave the model as we found it
             handle.remove()
     return largest
+
+
+def copy_into_huge_pages(tensor):
+    """Exercise 5: Huge pages by hand"""
+    huge_page = 2 << 20
+    nbytes = tensor.numel() * tensor.element_size()
+    region = mmap.mmap(-1, nbytes + huge_page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)  # a request: the kernel backs the region with 2 MiB pages if it can
+    address = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    skip = -address % huge_page  # bytes from the mapping's start to the next 2 MiB boundary
+    # frombuffer's tensor keeps `region` alive; its bytes reinterpreted as the tensor's dtype and shape.
+    copied = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=skip)
+    copied = copied.view(tensor.dtype).view(tensor.shape)
+    copied.copy_(tensor)  # the first write to each page faults it in: as a huge page, where it was granted
+    return copied
+

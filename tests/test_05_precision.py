@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minillm.model.transformer import causal_positions
-from minillm.speed.huge_pages import into_huge_pages, model_into_huge_pages
+from minillm.speed.huge_pages import huge_page_bytes, into_huge_pages, model_into_huge_pages
 from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
 from minillm.strategies.generate import generate
 
@@ -65,23 +65,6 @@ def test_default_model_low_precision_drift_is_bounded(default_model, dtype):
     assert d.mean_kl <= max_kl, d
     out = generate(low, ["Once upon a time"], tokenizer=tokenizer, max_new_tokens=12, eos_token_id=())
     assert len(out.rows[0].token_ids) == 12 and out.rows[0].text.strip()
-
-
-def huge_page_bytes(address: int) -> int | None:
-    """How many bytes of the memory mapping holding `address` the kernel backs with huge pages (None: no smaps)."""
-    try:
-        lines = open("/proc/self/smaps").read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return None
 
 
 def test_tensors_moved_into_huge_pages_keep_their_values_layouts_and_sharing():

@@ -60,3 +60,16 @@ def largest_activations(model, token_ids):
     Compare the maximum with float16's 65504 to see the headroom.
     """
     raise NotImplementedError
+
+
+def copy_into_huge_pages(tensor):
+    """Exercise 5: Huge pages by hand
+
+    Return a copy of `tensor` (a contiguous CPU tensor) in memory you map yourself, backed by 2 MiB pages where
+    Linux gives them: map private anonymous memory with Python's `mmap` module (`mmap.mmap(-1, size,
+    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)`), ask for huge pages with `madvise(mmap.MADV_HUGEPAGE)`, view it
+    as a tensor with `torch.frombuffer`, and place the copy so its first byte sits on a 2 MiB boundary (map 2 MiB
+    more than you need and skip to the boundary). Same shape, dtype and values; the original untouched.
+    """
+    raise NotImplementedError
+

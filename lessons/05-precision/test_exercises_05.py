@@ -13,6 +13,7 @@ import torch
 from minillm.model.attention import AttentionStep
 from minillm.model.tiny import tiny_pair
 from minillm.model.transformer import causal_positions
+from minillm.speed.huge_pages import huge_page_bytes
 from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
 from minillm.strategies.generate import generate
 
@@ -141,3 +142,29 @@ def test_exercise_4_sees_a_scaled_residual_stream(answers):
     scaled = answers.largest_activations(model, ids)
     assert scaled == pytest.approx(residual_stream_maxima(model, ids), rel=1e-6)
     assert min(scaled) > 100 * max(base)
+
+
+# ------------------------------------------------------------------ Exercise 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_exercise_5_the_copy_is_exact_aligned_and_its_own(answers, dtype):
+    original = (torch.randn(1536, 576) * 50).to(dtype)
+    before = original.clone()
+    copied = answers.copy_into_huge_pages(original)
+    assert copied.dtype == dtype and copied.shape == original.shape and torch.equal(copied, before)
+    assert copied.data_ptr() % (2 << 20) == 0  # the first byte on a 2 MiB boundary
+    copied.view(-1)[0] += 1
+    assert torch.equal(original, before)  # a copy, not a view of the original
+
+
+def test_exercise_5_the_kernel_backs_the_copy_with_huge_pages(answers):
+    try:
+        setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this system")
+    if "[never]" in setting:
+        pytest.skip("transparent huge pages are turned off on this machine")
+    copied = answers.copy_into_huge_pages(torch.randn(4096, 1024))  # 16 MiB: eight huge pages
+    assert huge_page_bytes(copied.data_ptr()) >= 16 << 20  # /proc/self/smaps: the whole copy in 2 MiB pages
+

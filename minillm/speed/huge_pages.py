@@ -88,3 +88,22 @@ def model_into_huge_pages(model: nn.Module) -> nn.Module:
         else:
             module._buffers[name] = moved[id(tensor)]
     return model
+
+
+def huge_page_bytes(address: int) -> int | None:
+    """How many bytes of the memory mapping that holds `address` the kernel backs with huge pages right now (Linux's
+    `/proc/self/smaps`, its `AnonHugePages` line); None where there is no such file."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms offset ..."
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return None
+
