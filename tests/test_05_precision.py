@@ -82,6 +82,16 @@ def test_tensors_moved_into_huge_pages_keep_their_values_layouts_and_sharing():
     assert moved[1][0, 0] == 7.0 and base[1, 2] != 7.0  # a copy: writes reach its views, not the original
 
 
+def test_a_kernel_without_huge_pages_still_gets_exact_copies(monkeypatch):
+    import mmap
+
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 12345)  # advice the kernel does not know: madvise fails (EINVAL)
+    with pytest.raises(OSError):
+        mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS).madvise(mmap.MADV_HUGEPAGE)
+    weight = torch.randn(300, 7)
+    assert torch.equal(into_huge_pages([weight])[0], weight)
+
+
 def transparent_huge_pages() -> str:
     """The kernel's setting (`[madvise]` on most systems); skips the test where it gives none."""
     try:

@@ -35,7 +35,10 @@ def huge_page_region(nbytes: int) -> tuple[mmap.mmap | bytearray, int]:
     if not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux: ordinary memory
         return bytearray(nbytes), 0
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages refuses the advice: ordinary pages, same bytes
+        pass
     # The first write to each huge page faults it in, and in a VM that can wait on the host to back it (0.7-1.6 s
     # for 540 MB on one core of the course's machine). Writing the zeros it holds anyway, as one parallel fill,
     # takes those faults on every core at once: 1.04-1.19 -> 0.90-0.92 s for the default model's weights.
