@@ -16,7 +16,7 @@ One row (a batch-1 decode step) is the exception on an Intel CPU with AVX-512
 (`libraries_stream_matvecs`): there MKL's matrix-vector product streams the weight
 faster than oneDNN's, and it reads the weight where `load_model` put it, in huge pages,
 where oneDNN reads its own packed copy on ordinary pages. Eager decoding of the default
-model, measured on the course's 2-core Xeon: 18-20 tok/s through oneDNN, 26.5-27.5
+model, measured on the course's 2-core Xeon: 18-20 tok/s through oneDNN, 24.7-27.5
 through MKL. On the AMD EPYC (AVX2) of earlier runs MKL's one-row product read the
 weights at a third of the bandwidth, oneDNN's at half: there oneDNN keeps every shape.
 
