@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minillm.model.transformer import causal_positions
-from minillm.speed.huge_pages import huge_page_bytes, into_huge_pages, model_into_huge_pages
+from minillm.speed.huge_pages import huge_page_bytes, into_huge_pages, model_into_huge_pages, transparent_huge_pages
 from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
 from minillm.strategies.generate import generate
 
@@ -92,27 +92,24 @@ def test_a_kernel_without_huge_pages_still_gets_exact_copies(monkeypatch):
     assert torch.equal(into_huge_pages([weight])[0], weight)
 
 
-def transparent_huge_pages() -> str:
-    """The kernel's setting (`[madvise]` on most systems); skips the test where it gives none."""
-    try:
-        setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        pytest.skip("no transparent huge pages on this system")
-    if "[never]" in setting:
-        pytest.skip("transparent huge pages are turned off on this machine")
-    return setting
+def skip_without_huge_pages() -> str:
+    """The kernel's huge-page mode; skips the test where it gives none."""
+    mode = transparent_huge_pages()
+    if mode in (None, "never"):
+        pytest.skip(f"this kernel gives no transparent huge pages (mode: {mode})")
+    return mode
 
 
 def test_weights_in_huge_pages_are_backed_by_huge_pages_where_the_kernel_gives_them():
-    thp = transparent_huge_pages()
+    thp = skip_without_huge_pages()
     weight = into_huge_pages([torch.randn(2048, 1024)])[0]  # 8 MiB: four huge pages
     assert huge_page_bytes(weight.data_ptr()) >= 4 << 20
     plain = torch.randn(2048, 1024)
-    assert "[always]" in thp or not huge_page_bytes(plain.data_ptr())  # what PyTorch's allocator gets by itself
+    assert thp == "always" or not huge_page_bytes(plain.data_ptr())  # what PyTorch's allocator gets by itself
 
 
 def test_load_model_puts_the_weights_in_huge_pages(default_model):
-    transparent_huge_pages()
+    skip_without_huge_pages()
     model, _ = default_model
     assert huge_page_bytes(model.tok_emb.weight.data_ptr()) >= 64 << 20  # the 113 MB embedding, most of it in 2 MiB
 

@@ -13,7 +13,7 @@ import torch
 from minillm.model.attention import AttentionStep
 from minillm.model.tiny import tiny_pair
 from minillm.model.transformer import causal_positions
-from minillm.speed.huge_pages import huge_page_bytes
+from minillm.speed.huge_pages import huge_page_bytes, transparent_huge_pages
 from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
 from minillm.strategies.generate import generate
 
@@ -159,12 +159,8 @@ def test_exercise_5_the_copy_is_exact_aligned_and_its_own(answers, dtype):
 
 
 def test_exercise_5_the_kernel_backs_the_copy_with_huge_pages(answers):
-    try:
-        setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        pytest.skip("no transparent huge pages on this system")
-    if "[never]" in setting:
-        pytest.skip("transparent huge pages are turned off on this machine")
+    if transparent_huge_pages() in (None, "never"):
+        pytest.skip("this kernel gives no transparent huge pages")
     copied = answers.copy_into_huge_pages(torch.randn(4096, 1024))  # 16 MiB: eight huge pages
     assert huge_page_bytes(copied.data_ptr()) >= 16 << 20  # /proc/self/smaps: the whole copy in 2 MiB pages
 

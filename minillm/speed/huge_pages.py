@@ -42,8 +42,9 @@ def huge_page_region(nbytes: int) -> tuple[mmap.mmap | bytearray, int]:
     # The first write to each huge page faults it in, and in a VM that can wait on the host to back it (0.7-1.6 s
     # for 540 MB on one core of the course's machine). Writing the zeros it holds anyway, as one parallel fill,
     # takes those faults on every core at once: 1.04-1.19 -> 0.90-0.92 s for the default model's weights.
-    torch.frombuffer(region, dtype=torch.uint8).fill_(0)
-    return region, -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    whole.fill_(0)
+    return region, -whole.data_ptr() % HUGE_PAGE
 
 
 def movable(tensor: torch.Tensor) -> bool:
@@ -109,4 +110,14 @@ def huge_page_bytes(address: int) -> int | None:
         elif inside and head == "AnonHugePages:":
             return int(line.split()[1]) * 1024
     return None
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent-huge-page mode: "always", "madvise" (most systems: huge pages where a process asks)
+    or "never"; None where the kernel has none."""
+    try:
+        setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()  # e.g. "always [madvise] never"
+    except OSError:
+        return None
+    return setting[setting.index("[") + 1:setting.index("]")]
 
