@@ -13,14 +13,15 @@ buffer, asks with `madvise(MADV_HUGEPAGE)`, and copies the tensors into it.
 
 Measured on the course's 2-core Xeon (AVX-512), the float32 model's weights read as 211
 separate matrix-vector products (the same bytes as its 121 fused ones): 31-33 ms a token
-on 4 KiB pages, 25.3-25.5 ms in huge pages (16.5 -> 21.2 GB/s), alternated in one process. Where the kernel gives no huge
-pages (THP set to `never`, another OS) the copy is harmless: the same bytes, in one
-block.
+on 4 KiB pages, 25.3-25.5 ms in huge pages (16.5 -> 21.2 GB/s), alternated in one
+process. Where the kernel gives no huge pages (THP set to `never`, another OS) the copy
+is harmless: the same bytes, in one block.
 """
 
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -116,8 +117,7 @@ def transparent_huge_pages() -> str | None:
     """The kernel's transparent-huge-page mode: "always", "madvise" (most systems: huge pages where a process asks)
     or "never"; None where the kernel has none."""
     try:
-        setting = open("/sys/kernel/mm/transparent_hugepage/enabled").read()  # e.g. "always [madvise] never"
+        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()  # e.g. "always [madvise] never"
     except OSError:
         return None
     return setting[setting.index("[") + 1:setting.index("]")]
-
