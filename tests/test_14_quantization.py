@@ -53,6 +53,7 @@ from minillm.speed.quant_gguf import (
     int4_linear_from_blocks,
     int8_linear_from_q8_0,
 )
+from minillm.speed.quant_widen import int4_block, scratch, unpack_int4, widens
 from minillm.speed.quantize_model import dequantize_model, quantize_model, quantized_modules, weight_bytes
 
 # The default model's matrices (N, K): q/k/v fused, o, gate/up fused, down; and a small odd one.
@@ -104,6 +105,66 @@ def test_int4_kernel_equals_dequantize_then_linear(n, k, group_size):
         assert relative_error(exact.dequantized_weight(), reference_weight) < 1e-6
     fast = Int4WeightLinear(q, scale, zero, linear.bias)
     assert relative_error(fast(x), reference) < 2e-2
+
+
+# ------------------------------------------------------------------ many rows: the codes widened to bfloat16
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (3072, 576)])
+def test_int4_layout_reads_back_the_codes_the_kernel_packed(n, k):
+    block = int4_block()
+    if block is None:
+        pytest.skip(f"the int4 kernel's layout on {torch.backends.cpu.get_cpu_capability()} is not the AVX-512 or "
+                    f"AVX2 one: the kernel runs at every row count")
+    q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n + k), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(unpack_int4(packed, n, k, block).t(), q.to(torch.uint8))
+
+
+def count_calls(monkeypatch, name):
+    """Wrap minillm.speed.quant's `name` so the test sees how often the widened path ran."""
+    import minillm.speed.quant as quant
+    calls, original = [], getattr(quant, name)
+    monkeypatch.setattr(quant, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64)])
+def test_many_rows_widen_the_codes_and_agree_with_the_kernel(monkeypatch, kind, n, k):
+    linear = linear_with(n, k, bias=True)
+    module = Int8WeightLinear.from_linear(linear) if kind == "int8" else Int4WeightLinear.from_linear(linear, 32)
+    calls = count_calls(monkeypatch, f"{kind}_widened_matmul")
+    for rows in (module.widen_rows - 1, module.widen_rows, 300):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        before = len(calls)
+        y = module(x)
+        reference = F.linear(x, module.dequantized_weight(), linear.bias)
+        kernel = (torch.ops.aten._weight_int8pack_mm(x.bfloat16(), module.weight_int8, module.scale) if kind == "int8"
+                  else torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), module.weight_int4,
+                                                                  module.group_size, module.scale_and_zero))
+        assert y.dtype == torch.float32 and y.shape == reference.shape
+        assert relative_error(y, reference) < 2e-2  # bfloat16 activations, as the kernel's own bound above
+        assert relative_error(y - linear.bias, kernel) < 2e-2
+        widened = rows >= module.widen_rows and (kind == "int8" or (int4_block() and n % int4_block() == 0))
+        assert len(calls) - before == widened
+
+
+def test_compiled_graphs_keep_the_kernels():
+    """Under torch.compile (and export) `widens` says no, so a kept graph never holds the widened matmul."""
+    x = torch.zeros(64, 16, dtype=torch.bfloat16)
+    compiled = torch.compile(lambda t: t + int(widens(t, torch.bfloat16, 1)), backend="eager", fullgraph=True)
+    assert widens(x, torch.bfloat16, 1) and not widens(x, torch.float32, 1) and not widens(x, torch.bfloat16, 65)
+    assert torch.equal(compiled(x), x)
+
+
+def test_scratch_buffers_are_kept_per_thread():
+    import threading
+    mine = scratch("test", (4, 4), torch.bfloat16)
+    theirs = []
+    thread = threading.Thread(target=lambda: theirs.append(scratch("test", (4, 4), torch.bfloat16)))
+    thread.start(), thread.join()
+    assert scratch("test", (4, 4), torch.bfloat16) is mine and theirs[0] is not mine
 
 
 def test_dynamic_and_static_int8_equal_their_fake_quantized_references():

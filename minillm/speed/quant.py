@@ -21,12 +21,19 @@ model's dtype, and returns the model's dtype. Pass `compute_dtype=torch.float32`
 the kernels exactly. The kernels' limits are refused with one line each (`check_int4_shape`,
 `check_int8_shape`): int4 groups of 32/64/128/256 dividing K, N a multiple of 16; bfloat16
 int8 needs K a multiple of 16 (otherwise it returns garbage); CPU only.
+
+The kernels stream the codes once per activation row: right for decoding, slow for a
+prefill chunk of hundreds of rows. From `widen_rows` rows on, an eager bfloat16 call
+widens the codes to a dense bfloat16 matrix and runs one matmul instead
+(`minillm.speed.quant_widen`, with the measurements behind the thresholds).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .quant_widen import int4_block, int4_widened_matmul, int8_widened_matmul, widens
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -135,7 +142,9 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8WeightLinear(QuantizedLinear):
-    """Weight-only int8 (per output channel), on `aten._weight_int8pack_mm`."""
+    """Weight-only int8 (per output channel), on `aten._weight_int8pack_mm`; widened from 32 rows on."""
+
+    widen_rows = 32  # rows from which a bfloat16 call widens the codes (quant_widen: the kernel ties there)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias=None, compute_dtype=torch.bfloat16):
         super().__init__(q.shape[1], q.shape[0], bias)
@@ -149,7 +158,10 @@ class Int8WeightLinear(QuantizedLinear):
         return cls(*quantize_int8_per_channel(linear.weight), linear.bias, compute_dtype)
 
     def matmul(self, x):
-        return torch.ops.aten._weight_int8pack_mm(x.to(self.compute_dtype), self.weight_int8, self.scale)
+        x = x.to(self.compute_dtype)
+        if widens(x, self.compute_dtype, self.widen_rows):
+            return int8_widened_matmul(x, self.weight_int8, self.scale)
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scale)
 
     def dequantized_weight(self):
         return dequantize_int8(self.weight_int8, self.scale)
@@ -159,8 +171,11 @@ class Int4WeightLinear(QuantizedLinear):
     """Weight-only int4 (groupwise, asymmetric), on `aten._weight_int4pack_mm_for_cpu`.
 
     The kernel reads q packed two to a byte in its own layout (`_convert_weight_to_int4pack_for_cpu`)
-    and scale and zero interleaved as [K / group_size, N, 2].
+    and scale and zero interleaved as [K / group_size, N, 2]. Widened from 64 rows on, where
+    this CPU's packed layout is one `quant_widen` reads (N a multiple of its block).
     """
+
+    widen_rows = 64  # rows from which a bfloat16 call widens the codes (quant_widen: the kernel ties there)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias=None,
                  compute_dtype=torch.bfloat16):
@@ -179,8 +194,11 @@ class Int4WeightLinear(QuantizedLinear):
         return cls(*quantize_int4_groupwise(linear.weight, group_size), linear.bias, compute_dtype)
 
     def matmul(self, x):
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.compute_dtype), self.weight_int4,
-                                                          self.group_size, self.scale_and_zero)
+        x = x.to(self.compute_dtype)
+        block = int4_block()
+        if block and self.out_features % block == 0 and widens(x, self.compute_dtype, self.widen_rows):
+            return int4_widened_matmul(x, self.weight_int4, self.scale_and_zero, self.out_features, self.group_size)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight_int4, self.group_size, self.scale_and_zero)
 
     def dequantized_weight(self):
         """Read back through the kernel itself: x = I gives wᵀ exactly (one product per output, in float32)."""
