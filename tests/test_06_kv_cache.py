@@ -178,23 +178,24 @@ def test_fast_linear_equals_plain_linear(rows, out_features, bias):
 
 
 @pytest.mark.parametrize("libraries_stream_matvecs", [True, False])
-def test_fast_linear_sends_one_row_to_mkl_where_it_streams_faster(monkeypatch, libraries_stream_matvecs):
-    """One row on an Intel CPU with AVX-512: MKL's product on the weight itself (F.linear, bit for bit, no packed
-    copy made); elsewhere, and for several rows everywhere, oneDNN on its packed copy."""
+def test_fast_linear_sends_up_to_three_rows_to_mkl_where_it_streams_faster(monkeypatch, libraries_stream_matvecs):
+    """One to three rows on an Intel CPU with AVX-512: MKL's product on the weight itself (F.linear, bit for bit, no
+    packed copy made); elsewhere, and for four rows or more everywhere, oneDNN on its packed copy."""
     from minillm.speed import onednn
 
     monkeypatch.setattr(onednn, "libraries_stream_matvecs", lambda: libraries_stream_matvecs)
     torch.manual_seed(0)
     layer = onednn.OneDNNLinear(64, 96).requires_grad_(False)
     with torch.inference_mode():
-        one_row = layer(torch.randn(1, 1, 64))
-        assert ("_packed" in layer.__dict__) is not libraries_stream_matvecs
-        if libraries_stream_matvecs:
-            x = torch.randn(1, 1, 64)
-            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-        layer(torch.randn(3, 64))
-        assert "_packed" in layer.__dict__  # several rows: oneDNN on every machine
-    assert one_row.shape == (1, 1, 96)
+        for shape in [(1, 1, 64), (2, 64), (3, 1, 64), (1, onednn.MKL_MAX_ROWS, 64)]:
+            x = torch.randn(shape)
+            y = layer(x)
+            assert y.shape == (*shape[:-1], 96)
+            assert ("_packed" in layer.__dict__) is not libraries_stream_matvecs
+            if libraries_stream_matvecs:
+                assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        layer(torch.randn(2, onednn.MKL_MAX_ROWS + 1, 64))
+        assert "_packed" in layer.__dict__  # more rows: oneDNN on every machine
 
 
 def test_fast_linear_repacks_when_the_weight_changes():

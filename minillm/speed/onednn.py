@@ -12,13 +12,16 @@ over the weight, so it is done on the first forward and kept (twice the weight
 memory) until the weight changes. Measure it on your machine:
 `python -m minillm.bench decode` runs both.
 
-One row (a batch-1 decode step) is the exception on an Intel CPU with AVX-512
-(`libraries_stream_matvecs`): there MKL's matrix-vector product streams the weight
-faster than oneDNN's, and it reads the weight where `load_model` put it, in huge pages,
-where oneDNN reads its own packed copy on ordinary pages. Eager decoding of the default
-model, measured on the course's 2-core Xeon: 18-20 tok/s through oneDNN, 24.7-27.5
-through MKL. On the AMD EPYC (AVX2) of earlier runs MKL's one-row product read the
-weights at a third of the bandwidth, oneDNN's at half: there oneDNN keeps every shape.
+One to three rows (a batch-1 decode step, two or three sequences, a verify of a token or
+two of draft) are the exception on an Intel CPU with AVX-512 (`libraries_stream_matvecs`):
+there MKL's products over so few rows stream the weight faster than oneDNN's, and they
+read the weight where `load_model` put it, in huge pages, where oneDNN reads its own
+packed copy on ordinary pages. Measured on the course's 2-core Xeon, the default model's
+layer matmuls (30 layers' fused projections) at 1/2/3/4 rows: MKL 16.1/16.4/17.9/27.4 ms,
+oneDNN 23.5/24.5/26.6/24.1 ms, so MKL takes up to `MKL_MAX_ROWS`; eager decoding at batch
+1, 18-20 tok/s through oneDNN, 24.7-27.5 through MKL. On the AMD EPYC (AVX2) of earlier
+runs MKL's one-row product read the weights at a third of the bandwidth, oneDNN's at
+half: there oneDNN keeps every shape.
 
 The products are the same dot products summed in another order: results differ from
 `F.linear` by float32 rounding, as any two BLAS libraries do. Everything else (GPUs,
@@ -35,6 +38,8 @@ from torch import nn
 
 from ..base.machine import cpuinfo_field
 
+MKL_MAX_ROWS = 3  # activation rows up to which MKL's product beats oneDNN's where `libraries_stream_matvecs`
+
 
 class OneDNNLinear(nn.Linear):
     """nn.Linear whose float32 CPU inference matmul runs oneDNN on a prepacked weight."""
@@ -49,7 +54,7 @@ class OneDNNLinear(nn.Linear):
         return (x.device.type == "cpu" and w.dtype == x.dtype == torch.float32
                 and not (torch.is_grad_enabled() and w.requires_grad)  # the oneDNN op has no backward
                 and torch.backends.mkldnn.is_available()
-                and not (x.numel() == x.shape[-1] and libraries_stream_matvecs()))  # one row: MKL's is faster
+                and not (x.numel() <= MKL_MAX_ROWS * x.shape[-1] and libraries_stream_matvecs()))  # MKL's is faster
 
     def _packed_weight(self):
         """oneDNN's copy of the weight, repacked whenever the weight is replaced or edited."""
@@ -78,8 +83,9 @@ class OneDNNLinear(nn.Linear):
 @functools.cache
 def libraries_stream_matvecs() -> bool:
     """Whether MKL and oneDNN already run a one-row matmul near the memory bandwidth here: an Intel CPU with
-    AVX-512 (measurements in `minillm.speed.inductor.worth_autotuning`). There MKL's matrix-vector product on
-    the weight where it lies (in huge pages, `minillm.speed.huge_pages`) beats oneDNN's on its packed copy."""
+    AVX-512 (measurements in `minillm.speed.inductor.worth_autotuning`). There MKL's products over one to three
+    rows, on the weight where it lies (in huge pages, `minillm.speed.huge_pages`), beat oneDNN's on its packed
+    copy."""
     return cpuinfo_field("vendor_id") == "GenuineIntel" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
@@ -108,4 +114,4 @@ def uses_onednn(model: nn.Module) -> bool:
     return any(type(m) is OneDNNLinear for m in model.modules())
 
 
-__all__ = ["OneDNNLinear", "libraries_stream_matvecs", "use_onednn", "use_plain_linear", "uses_onednn"]
+__all__ = ["MKL_MAX_ROWS", "OneDNNLinear", "libraries_stream_matvecs", "use_onednn", "use_plain_linear", "uses_onednn"]
