@@ -111,9 +111,10 @@ def batching(results: Path) -> list[Comparison]:
 
 def speculative(results: Path) -> list[Comparison]:
     """Lesson 08. A (k+1)-token verify forward reads the weights once, so it costs about one step, within 2x:
-    eager kernels for a handful of rows run less efficiently than the one-row kernel (on the course's Xeon a 2-5-token
-    forward measured 1.4-1.5 steps and a 9-token one 1.8, its one-row matmuls going through MKL on weights in huge
-    pages and its several-row ones through oneDNN's packed copies, lesson 05; on an AVX2 EPYC 1.3 and 1.5). A
+    eager kernels for a handful of rows run less efficiently than the one-row kernel (on the course's Xeon a 2- and
+    3-token forward measured 1.05 and 1.10 steps, a 5- and 9-token one 1.5 and 1.7: up to three rows the matmuls go
+    through MKL on weights in huge pages, from four through oneDNN's packed copies, lesson 05; on an AVX2 EPYC 1.3
+    and 1.5). A
     round's speed-up is E / (k·c + v_k): E tokens kept (from the acceptance probability the measured share implies),
     for k draft forwards at c target steps each and one verify at v_k. From the measured c and v_k it predicts the
     measured speed-up at 0.7-1.25 of it wherever drafts are mostly accepted (a share of 0.5 or more); the low end is
@@ -211,7 +212,7 @@ def continuous_batching(results: Path) -> list[Comparison]:
 def quantization(results: Path) -> list[Comparison]:
     """Lesson 14. Fewer bytes, but arithmetic the roofline does not count: the activations stay float, so each int8
     weight is widened to float before it is multiplied (no int8 dot-product instruction applies), and compiled int8
-    reaches 0.4-0.7 of the speed its bytes predict (0.61 on the course's Xeon, 0.4-0.65 on an AVX2 EPYC); Q4_1 reads
+    reaches 0.4-0.7 of the speed its bytes predict (0.64 on the course's Xeon, 0.4-0.65 on an AVX2 EPYC); Q4_1 reads
     0.70x int8's bytes but unpacks two nibbles per byte too (0.25-0.55)."""
     quant = stored("quant", results)
     machine = _machine(results, quant["memory_bandwidth_gb_s"])
