@@ -144,7 +144,7 @@ class QuantizedLinear(nn.Module):
 class Int8WeightLinear(QuantizedLinear):
     """Weight-only int8 (per output channel), on `aten._weight_int8pack_mm`; widened from 32 rows on."""
 
-    widen_rows = 32  # rows from which a bfloat16 call widens the codes (quant_widen: the kernel ties there)
+    widen_rows = 32  # rows from which a bfloat16 call widens the codes (quant_widen: from there widening wins)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias=None, compute_dtype=torch.bfloat16):
         super().__init__(q.shape[1], q.shape[0], bias)
@@ -175,7 +175,7 @@ class Int4WeightLinear(QuantizedLinear):
     this CPU's packed layout is one `quant_widen` reads (N a multiple of its block).
     """
 
-    widen_rows = 64  # rows from which a bfloat16 call widens the codes (quant_widen: the kernel ties there)
+    widen_rows = 64  # rows from which a bfloat16 call widens the codes (quant_widen: from there widening wins)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias=None,
                  compute_dtype=torch.bfloat16):
