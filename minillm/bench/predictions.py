@@ -114,12 +114,11 @@ def speculative(results: Path) -> list[Comparison]:
     eager kernels for a handful of rows run less efficiently than the one-row kernel (on the course's Xeon a 2- and
     3-token forward measured 1.05 and 1.10 steps, a 5- and 9-token one 1.5 and 1.7: up to three rows the matmuls go
     through MKL on weights in huge pages, from four through oneDNN's packed copies, lesson 05; on an AVX2 EPYC 1.3
-    and 1.5). A
-    round's speed-up is E / (k·c + v_k): E tokens kept (from the acceptance probability the measured share implies),
-    for k draft forwards at c target steps each and one verify at v_k. From the measured c and v_k it predicts the
-    measured speed-up at 0.7-1.25 of it wherever drafts are mostly accepted (a share of 0.5 or more); the low end is
-    the BF16 draft's, whose rounds cost more than its c and v_k, each timed on its own, add up to (the round's
-    bookkeeping and the draft's own cache)."""
+    and 1.5). A round's speed-up is E / (k·c + v_k): E tokens kept (from the acceptance probability the measured
+    share implies), for k draft forwards at c target steps each and one verify at v_k. From the measured c and v_k
+    it predicts the measured speed-up at 0.7-1.25 of it wherever drafts are mostly accepted (a share of 0.5 or
+    more); the low end is the BF16 draft's, whose rounds cost more than its c and v_k, each timed on its own, add up
+    to (the round's bookkeeping and the draft's own cache)."""
     data, machine = stored("speculative", results), _machine(results)
     one = decode_step(SMOLLM2_135M, context=200)
     rows = [Comparison("08", f"verify {int(k) + 1} tokens (x one step)", "x",
