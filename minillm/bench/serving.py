@@ -5,7 +5,9 @@ served. This suite replays one workload, in real time and in process, through th
 ways of serving it, on the default model in FP32:
 
 - **continuous batching**: `minillm.runtime.engine.Engine`, a paged KV cache with prefix
-  caching (and once more with the prefix cache off, to show what it saves);
+  caching, eager (and once more with the prefix cache off, to show what it saves), and
+  with its decode steps through the compiled paged graph kept on disk (lesson 15; built
+  first, before any timing, when it is not there yet: its build time is recorded);
 - **static batching** (lesson 07): whenever the model is idle, the requests waiting are
   batched (up to the same batch limit) and `generate` runs them to the end of the
   slowest; newcomers wait for the whole batch;
@@ -170,7 +172,7 @@ def engine_trace(engine: Engine) -> dict:
             "preempted": [r.preempted for r in engine.timeline]}
 
 
-WAYS = ("continuous", "continuous, no prefix cache", "static", "one at a time")
+WAYS = ("continuous", "continuous, compiled step", "continuous, no prefix cache", "static", "one at a time")
 SATURATED_ONLY = ("one at a time",)  # ways measured only with every request arriving at once
 
 
@@ -189,12 +191,14 @@ def run(args) -> dict:
     slo_ttft, slo_tpot = 2.0, 0.25  # a chat user waits two seconds for the first words, then reads at >= 4 tokens/s
     model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
     pool_tokens = 4096
-    # Both ways eager, whatever graphs are on disk: this suite measures what the scheduling buys (lesson 12);
-    # the compiled server's step is measured against eager in `serve-vs-llamacpp`.
+    # Eager unless the way says compiled, whatever graphs are on disk: what the scheduling buys (lesson 12) is
+    # measured with the same forward as static batching's, and the compiled step beside it.
     engine_options = dict(block_size=16, num_blocks=pool_tokens // 16, max_num_seqs=max_batch,
                           max_num_batched_tokens=512, graph="eager")
+    compiled_options = dict(engine_options, graph="compiled")
     warm = make_workload(tokenizer, 4, math.inf, seed=99, outputs=((4, 8), (4, 8), 0.0))
     serve_continuous(model, warm, engine_options)  # warm-up: oneDNN primitives for the common shapes
+    _, compiled = serve_continuous(model, warm, compiled_options)  # the paged graph loaded, or built and kept
     serve_static(model, warm, max_batch)
 
     rows, traces = [], {}
@@ -210,12 +214,14 @@ def run(args) -> dict:
             for way in ways_at(rate):
                 progress.set_postfix_str(f"{rate} req/s: {way}")
                 if way.startswith("continuous"):
-                    options = dict(engine_options, prefix_caching=way == "continuous")
+                    options = dict(compiled_options if way == "continuous, compiled step" else engine_options,
+                                   prefix_caching=way != "continuous, no prefix cache")
                     served, engine = serve_continuous(model, workload, options)
                     row[way] = summarize(served, slo_ttft, slo_tpot)
                     row[way].update(kv_memory(engine), prefix_hit_rate=engine.prefix_hit_rate,
                                     preemptions=sum(r.preemptions for r in engine.requests.values()),
-                                    forward_passes=engine.forward_passes)
+                                    forward_passes=engine.forward_passes,
+                                    compiled_steps=engine.runner.compiled_steps)
                     if way == "continuous":
                         traces[str(row["rate"])] = engine_trace(engine)
                     elif not math.isfinite(rate):  # all at once: what lesson 12 predicts the prefix cache's gain from
@@ -225,12 +231,16 @@ def run(args) -> dict:
                     row[way] = summarize(served, slo_ttft, slo_tpot)
                 progress.update()
             row["throughput_vs_static"] = row["continuous"]["tokens_per_second"] / row["static"]["tokens_per_second"]
+            row["compiled_vs_static"] = (row["continuous, compiled step"]["tokens_per_second"]
+                                         / row["static"]["tokens_per_second"])
             rows.append(row)
             print(f"rate {rate} req/s: " + ", ".join(f"{way} {row[way]['tokens_per_second']:.1f} tok/s "
                                                      f"(p99 e2e {row[way]['e2e']['p99']:.1f} s)" for way in ways_at(rate)),
                   flush=True)
     return {"model": args.model, "dtype": "float32", "requests": n, "max_batch": max_batch,
             "engine": engine_options, "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
+            "compiled_step": {"graph": compiled.runner.graph,  # loaded, or built and kept, before any timing
+                              "ready_seconds": compiled.runner.build_seconds},
             "workload": {"system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT)), "outputs": outputs,
                          "burstiness": 1.0},
             "rows": rows, "traces": traces}
@@ -247,7 +257,7 @@ def plot(data: dict, path) -> None:
     rows = data["rows"]
     finite = [r for r in rows if r["rate"] is not None]
     saturated = rows[-1]
-    colors = dict(zip(WAYS, ("tab:blue", "tab:cyan", "tab:orange", "tab:gray")))
+    colors = dict(zip(WAYS, ("tab:blue", "tab:purple", "tab:cyan", "tab:orange", "tab:gray")))
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.2))
     (ax_tp, ax_p99, ax_ttft), (ax_timeline, ax_pool, ax_cdf) = axes
     rates = [r["rate"] for r in finite]

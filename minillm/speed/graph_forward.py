@@ -13,7 +13,9 @@ import copy
 import torch
 from torch import nn
 
+from ..model.attention import attention_backend
 from ..model.rope import RopeTable
+from .attention_kernels import KernelBackend, naive_attention
 from .onednn import use_plain_linear
 
 
@@ -132,6 +134,9 @@ class PagedDecodeStep(nn.Module):
     def __init__(self, graph_model, block_size: int):
         super().__init__()
         self.model, self.block_size = graph_model, block_size
+        # The textbook attention, one product per key head: keys gathered through the block tables make
+        # Inductor's loops for the per-query-head form read values column by column (`naive_attention`).
+        self.attention = KernelBackend("naive", naive_attention, fold_heads=True)
 
     def forward(self, tokens, positions, slots, tables, keys, values):
         """tokens, positions long [B, 1]; slots long [B]; tables long [B, nb]; keys, values: each layer's slot pool
@@ -139,7 +144,8 @@ class PagedDecodeStep(nn.Module):
         cache = PoolWrites(keys, values, slots, tables, self.block_size)
         seen = tables.shape[1] * self.block_size
         mask = torch.arange(seen, device=tokens.device) <= positions[:, :, None]  # [B, 1, L]: keys up to its own
-        return self.model(tokens, positions, cache=cache, mask=mask)
+        with attention_backend(self.model, self.attention):  # the model is shared with the static graphs' `CacheStep`
+            return self.model(tokens, positions, cache=cache, mask=mask)
 
 
 class CacheStep(nn.Module):
