@@ -37,7 +37,6 @@ from minillm.strategies.speculative import speculative_generate
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = {
     "naive": naive_attention,
-    "naive, heads folded": partial(naive_attention, fold_heads=True),  # one product per key head: the paged graph's
     "online": online_softmax_attention,
     "flash 64x64": flash_attention,
     "flash 1x1": partial(flash_attention, block_q=1, block_k=1),

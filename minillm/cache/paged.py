@@ -151,11 +151,10 @@ class PagedKVCache:
         """The layer's pools as [num_blocks * block_size, n_kv_head, head_dim] views: row = slot."""
         return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
 
-    def slot_pools(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every layer's `slots_view`: keys and values, one [num_blocks * block_size, n_kv_head, head_dim] view per
-        layer (what a compiled step writes into)."""
-        views = [self.slots_view(layer) for layer in range(self.n_layer)]
-        return [k for k, _ in views], [v for _, v in views]
+    def block_pools(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values, one [num_blocks, block_size, n_kv_head, head_dim] view per layer (what the compiled
+        step writes into and reads through its block tables)."""
+        return list(self.k), list(self.v)
 
     def write(self, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store N tokens' keys and values at their slots. slots long [N]; k_new, v_new [N, n_kv_head, head_dim]."""

@@ -20,7 +20,6 @@ paged, tree-aware, flash-style or compiled kernel is added without editing `mode
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -98,18 +97,6 @@ def set_attention_backend(model, backend) -> None:
         block.attn.backend = backend
 
 
-@contextlib.contextmanager
-def attention_backend(model, backend):
-    """`set_attention_backend` while the block runs, then every layer's own backend again."""
-    before = [block.attn.backend for block in model.blocks]
-    set_attention_backend(model, backend)
-    try:
-        yield
-    finally:
-        for block, own in zip(model.blocks, before):
-            block.attn.backend = own
-
-
 def uses_default_attention(model) -> bool:
     """Whether every layer runs the default backend (SDPA): a compiled graph writes its own attention, so a run
     asked to use another kernel (lesson 16) must stay eager to use it. A wrapper that only adds a kind of step
@@ -118,4 +105,4 @@ def uses_default_attention(model) -> bool:
                for block in model.blocks)
 
 
-__all__ = ["AttentionStep", "SDPABackend", "attention_backend", "causal_mask_lower_right", "set_attention_backend", "uses_default_attention"]
+__all__ = ["AttentionStep", "SDPABackend", "causal_mask_lower_right", "set_attention_backend", "uses_default_attention"]

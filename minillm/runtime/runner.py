@@ -101,7 +101,7 @@ class ModelRunner:
             if graph == "compiled":
                 compiled = compile_model(model, kept=True)
                 self.build_seconds = compiled.prepare(shapes)
-                self.decode_step, self.pools = compiled.packages[shapes[0]], self.cache.slot_pools()
+                self.decode_step, self.pools = compiled.packages[shapes[0]], self.cache.block_pools()
             return
         if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already built
             # On a CPU the graphs are AOTInductor packages kept on disk; on a GPU they are compiled in this

@@ -132,7 +132,7 @@ def scale_of(q: torch.Tensor, scale: float | None) -> float:
 
 
 def ungrouped(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, KV, G, T, hd] (or [B, KV, G·T, hd]), [B, KV, G, T] -> [B, H, T, hd] in q's dtype, [B, H, T] in float32."""
+    """[B, KV, G, T, hd], [B, KV, G, T] -> [B, H, T, hd] in q's dtype, [B, H, T] in float32."""
     B, H, T, hd = q.shape
     return out.reshape(B, H, T, hd).to(q.dtype), lse.reshape(B, H, T).float()
 
@@ -140,37 +140,17 @@ def ungrouped(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor) -> tuple[to
 # ------------------------------------------------------------------ three ways
 
 
-def naive_attention(q, k, v, mask=None, scale=None, fold_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with the full score matrix in memory: [B, H, T, S] scores, the textbook formula.
-
-    fold_heads: how a key head meets its G query heads. False: the keys broadcast over them,
-    one product per query head of T rows. True: the G heads' T queries as the G·T rows of one
-    product per key head, as a GQA kernel batches them. Same arithmetic; what differs is what
-    a compiler makes of it. Inductor lowers a one-row product (False, decoding) to loops over
-    the keys fused with the softmax around them: the fastest code where the keys lie in order
-    in a static cache, but where they are gathered through a paged block table it vectorizes
-    those loops across the keys and reads each value column by column. The engine's compiled
-    step (`minillm.speed.graph_forward.PagedDecodeStep`) therefore folds: at 8 rows and ~250
-    keys its step took 82 ms unfolded, 57-62 folded, on the course's 2-core Xeon, while the
-    batch-1 static decode graph ran 2-4% slower folded.
-    """
+def naive_attention(q, k, v, mask=None, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with the full score matrix in memory: [B, H, T, S] scores, the textbook formula."""
     check_shapes(q, k, v, mask)
     T, S = q.shape[2], k.shape[2]
     qg, kg, vg = grouped(q, k, v)
-    if fold_heads:
-        rows = qg.reshape(*qg.shape[:2], -1, qg.shape[-1])  # [B, KV, G·T, hd]
-        scores = (rows @ kg[:, :, 0].transpose(-1, -2)).view(qg.shape[:-1] + (S,))  # [B, KV, G, T, S]
-    else:
-        scores = qg @ kg.transpose(-1, -2)  # [B, KV, G, T, S]: the O(T·S) tensor
-    scores = (scores * scale_of(q, scale)).masked_fill(~visible_tile(mask, T, S, 0, T, 0, S, q.device), float("-inf"))
+    scores = qg @ kg.transpose(-1, -2) * scale_of(q, scale)  # [B, KV, G, T, S]: the O(T·S) tensor
+    scores = scores.masked_fill(~visible_tile(mask, T, S, 0, T, 0, S, q.device), float("-inf"))
     m = scores.amax(dim=-1, keepdim=True)  # [B, KV, G, T, 1]
     p = torch.exp(scores - m.masked_fill(m == float("-inf"), 0.0))  # a fully masked row: all zeros
     l = p.sum(dim=-1, keepdim=True)
-    weights = p / l.masked_fill(l == 0, 1.0)
-    if fold_heads:
-        out = weights.view(rows.shape[:-1] + (S,)) @ vg[:, :, 0]  # [B, KV, G·T, hd]
-    else:
-        out = weights @ vg  # [B, KV, G, T, hd]
+    out = (p / l.masked_fill(l == 0, 1.0)) @ vg  # [B, KV, G, T, hd]
     return ungrouped(out, (m + torch.log(l))[..., 0], q)
 
 

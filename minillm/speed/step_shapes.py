@@ -115,18 +115,18 @@ class PagedShape:
         positions = torch.full((rows, 1), blocks * self.block_size - 1, device=device)  # the last slot of each table
         tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         slots = tables[:, -1] * self.block_size + positions[:, 0] % self.block_size
-        shape = (pool * self.block_size, config.kv_heads, config.head_size)  # one layer's slot pool
+        shape = (pool, self.block_size, config.kv_heads, config.head_size)  # one layer's block pool
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         return tokens, positions, slots, tables, keys, values
 
     def dynamic_shapes(self, config):
-        """Rows, blocks per row and pool slots symbolic, as `torch.export` takes them (one entry per input)."""
+        """Rows, blocks per row and the pool's blocks symbolic, as `torch.export` takes them (one entry per input)."""
         from torch.export import Dim
 
         rows, blocks = Dim("rows", min=1, max=4096), Dim("blocks", min=1, max=config.context_length)
-        slots = Dim("slots", min=1, max=2**31 - 1)
-        pools = [{0: slots}] * config.n_layer
+        pool = Dim("pool_blocks", min=1, max=2**31 - 1)
+        pools = [{0: pool}] * config.n_layer
         return ({0: rows}, {0: rows}, {0: rows}, {0: rows, 1: blocks}, pools, pools)
 
     def module(self, cache_step):
