@@ -30,9 +30,8 @@ def serving_section(title: str, data: dict, links: dict) -> str:
                    f"ignored); batch limit {data['max_batch']}, a paged pool of {data['engine']['num_blocks']} blocks "
                    f"of {data['engine']['block_size']} tokens; continuous batching eager, and with its decode "
                    "steps through the compiled paged graph kept on disk (lesson 15). Each cell: output tokens/s over "
-                   "the run (first arrival "
-                   "to last token), then the 99th-percentile end-to-end latency of a request; bold: the highest "
-                   "throughput; one at a time is measured at saturation only."),
+                   "the run (first arrival to last token), then the 99th-percentile end-to-end latency of a request; "
+                   "bold: the highest throughput; one at a time is measured at saturation only."),
         md.provenance(data), md.table(header, body), _serving_bullets(data)])
 
 

@@ -22,8 +22,9 @@ to bfloat16 at a different point, so the two paths differ within bfloat16's roun
 not more; but the kernels dequantize in float32, and here each int4 weight is rounded to
 bfloat16 and int8's product is rounded before its scale: over 1024-token windows of
 held-out text, perplexity against float32 went from +0.50% to +0.62% (int8) and from
-+0.16% to +0.30% (int4), bfloat16's own error added to the codes' (`bench quant`). Compiled and exported graphs keep the kernels: `widens` says no while
-tracing, so a kept graph's code does not depend on this file.
++0.16% to +0.30% (int4), bfloat16's own error added to the codes' (`bench quant`).
+Compiled and exported graphs keep the kernels: `widens` says no while tracing, so a kept
+graph's code does not depend on this file.
 
 int4 codes sit in the kernel's packed layout, which this CPU's kernel chose: for a block
 of B output rows (B = 64 with AVX-512, 32 with AVX2) and each input column, B/2 bytes
