@@ -158,6 +158,16 @@ def test_compiled_graphs_keep_the_kernels():
     assert torch.equal(compiled(x), x)
 
 
+def test_int4_linear_exports_before_any_eager_call():
+    """A first `--quant gguf --compile` in a new process exports the int4 linear before any eager forward has run
+    `int4_block`'s probe (a data-dependent comparison export cannot trace): the graph holds the kernel alone."""
+    module = Int4WeightLinear.from_linear(torch.nn.Linear(64, 128, bias=False))
+    int4_block.cache_clear()
+    program = torch.export.export(module, (torch.randn(1, 64),), strict=False)
+    targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert "aten._weight_int4pack_mm_for_cpu.default" in targets and "aten.equal.default" not in targets
+
+
 def test_scratch_buffers_are_kept_per_thread():
     import threading
     mine = scratch("test", (4, 4), torch.bfloat16)

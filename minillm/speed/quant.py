@@ -195,9 +195,13 @@ class Int4WeightLinear(QuantizedLinear):
 
     def matmul(self, x):
         x = x.to(self.compute_dtype)
-        block = int4_block()
-        if block and self.out_features % block == 0 and widens(x, self.compute_dtype, self.widen_rows):
-            return int4_widened_matmul(x, self.weight_int4, self.scale_and_zero, self.out_features, self.group_size)
+        # `widens` first: it says no while a graph is traced, and `int4_block`'s probe (a data-dependent
+        # comparison) must not be traced into one; export fails on it if no eager call has cached it.
+        if widens(x, self.compute_dtype, self.widen_rows):
+            block = int4_block()
+            if block and self.out_features % block == 0:
+                return int4_widened_matmul(x, self.weight_int4, self.scale_and_zero, self.out_features,
+                                           self.group_size)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight_int4, self.group_size, self.scale_and_zero)
 
     def dequantized_weight(self):
