@@ -29,6 +29,7 @@ from minillm.runtime.sequence import Sequence
 from minillm.runtime.session import DecodeSession, Tree
 from minillm.speed.compile import CompiledModel, compile_model
 from minillm.speed.export import export_onnx
+from minillm.speed.inductor import MATMUL_KERNELS
 from minillm.speed.onnx_model import ExportError, OnnxModel
 from minillm.speed.step_shapes import context_bucket
 from minillm.strategies.drafters import PromptLookup
@@ -101,15 +102,14 @@ def test_compiled_model_refuses_a_growing_cache(tiny_llama):
         generate(tiny_llama[0], [1, 2], max_new_tokens=2, cache="dynamic", compile=True)
 
 
-def test_autotuning_is_left_to_models_steps_and_machines_where_it_gains(monkeypatch):
-    """Tiny models compile without autotuning (it would triple their compile time for nothing); a large float
-    model's one-row steps autotune unless the machine's libraries already stream matvecs, its steps over several
-    rows (a batch, a verify chunk, the server's any-rows step) always; a large quantized one always; an explicit
-    choice holds for every shape, and is part of what a kept package's key holds."""
+def test_matmul_kernels_follow_the_model_and_the_rows():
+    """Tiny models keep the library's matmuls (a generated kernel would triple their compile time for nothing); a
+    large model's one-row steps, float or quantized, get generated kernels; its steps over several rows (a batch, a
+    verify chunk, the server's any-rows step) timed ones; an explicit choice holds for every shape, is checked, and
+    is part of what a kept package's key holds."""
     from minillm.model.config import ModelConfig
     from minillm.model.transformer import Transformer
-    from minillm.speed import inductor
-    from minillm.speed.inductor import AUTOTUNE_MIN_ELEMENTS, worth_autotuning
+    from minillm.speed.inductor import AUTOTUNE_MIN_ELEMENTS, matmul_kernels
     from minillm.speed.quantize_model import quantize_model
     from minillm.speed.step_shapes import PagedShape, StepShape
 
@@ -120,19 +120,41 @@ def test_autotuning_is_left_to_models_steps_and_machines_where_it_gains(monkeypa
     one_row, batch, verify = (StepShape.decode(large.config, 1, 64), StepShape.decode(large.config, 4, 64),
                               StepShape.verify(large.config, 1, 5, 64))
     assert (one_row.rows, batch.rows, verify.rows, PagedShape(16).rows) == (1, 4, 5, None)
-    for fast_libraries in (False, True):
-        monkeypatch.setattr(inductor, "libraries_stream_matvecs", lambda: fast_libraries)
-        assert not any(worth_autotuning(tiny, rows) for rows in (1, 8, None))
-        assert worth_autotuning(large) is not fast_libraries
-        assert worth_autotuning(large, 8) and worth_autotuning(large, None)
-        assert worth_autotuning(quantized)
-        compiled = CompiledModel(large, kept=True)
-        assert compiled.settings_for(one_row) == {"autotune": not fast_libraries}
-        assert all(compiled.settings_for(shape) == {"autotune": True} for shape in (batch, verify, PagedShape(16)))
-        assert CompiledModel(tiny, kept=True).settings_for(PagedShape(16)) == {"autotune": False}
-        assert CompiledModel(large, autotune=False, kept=True).settings_for(batch) == {"autotune": False}
-    assert CompiledModel(tiny, autotune=True, kept=True).settings_for(one_row) == {"autotune": True}
+    assert {matmul_kernels(tiny, rows) for rows in (1, 8, None)} == {"library"}
+    assert matmul_kernels(large) == matmul_kernels(quantized) == "generated"
+    assert {matmul_kernels(model, rows) for model in (large, quantized) for rows in (4, None)} == {"timed"}
+    compiled = CompiledModel(large, kept=True)
+    assert compiled.settings_for(one_row) == {"matmuls": "generated"}
+    assert all(compiled.settings_for(shape) == {"matmuls": "timed"} for shape in (batch, verify, PagedShape(16)))
+    assert CompiledModel(tiny, kept=True).settings_for(PagedShape(16)) == {"matmuls": "library"}
+    assert CompiledModel(large, matmuls="library", kept=True).settings_for(batch) == {"matmuls": "library"}
+    assert CompiledModel(tiny, matmuls="timed", kept=True).settings_for(one_row) == {"matmuls": "timed"}
+    with pytest.raises(ValueError, match="matmuls='fast': choose one of library, generated, timed"):
+        CompiledModel(large, matmuls="fast")
     assert compile_model(tiny, kept=True) is compile_model(tiny, kept=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("matmuls", MATMUL_KERNELS)
+def test_each_choice_of_matmul_kernels_runs_what_it_names(matmuls):
+    """One linear of a million weights compiled at one row: the library's call (an extern mm) for "library", a
+    kernel written for the shape (Inductor's C++ GEMM template) for "generated", and for "timed" whichever won;
+    each gives the eager product."""
+    from torch._inductor.utils import run_and_get_code
+
+    from minillm.speed.inductor import inductor_settings
+
+    linear = torch.nn.Linear(1024, 1024, bias=False).requires_grad_(False).eval()
+    x = torch.randn(1, 1024)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_settings(matmuls, "cpu"):
+        out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x)
+    source = "\n".join(code)
+    library = any(call in source for call in ("_mkl_linear", "mm_out", "extern_kernels.mm"))  # MKL's, frozen or not
+    generated = "micro_gemm" in source  # the template's kernel, built around a micro-kernel for this CPU
+    assert {"library": (True, False), "generated": (False, True)}.get(matmuls, (library, not library)) == (
+        library, generated)
+    torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
 
 
 def test_context_buckets_are_few_and_hold_the_run():

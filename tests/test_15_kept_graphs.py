@@ -116,13 +116,13 @@ def test_a_damaged_package_is_rebuilt_not_loaded(built, kept_home, monkeypatch, 
 def test_the_key_follows_weights_shape_and_settings():
     _, model = tiny_pair("llama", context_length=256)
     shape = StepShape.decode(model.config, 1, 100)
-    key = graph_store.graph_key(model, shape, {"autotune": True})
-    assert graph_store.graph_key(copy.deepcopy(model), shape, {"autotune": True}) == key  # same weights, same key
-    assert graph_store.graph_key(model, StepShape.decode(model.config, 2, 100), {"autotune": True}) != key
-    assert graph_store.graph_key(model, shape, {"autotune": False}) != key
+    key = graph_store.graph_key(model, shape, {"matmuls": "generated"})
+    assert graph_store.graph_key(copy.deepcopy(model), shape, {"matmuls": "generated"}) == key  # same weights, same key
+    assert graph_store.graph_key(model, StepShape.decode(model.config, 2, 100), {"matmuls": "generated"}) != key
+    assert graph_store.graph_key(model, shape, {"matmuls": "library"}) != key
     with torch.no_grad():
         model.blocks[0].mlp.fc.weight[0, 0] += 1  # an in-place write bumps the tensor's version: hashed again
-    assert graph_store.graph_key(model, shape, {"autotune": True})["weights_sha256"] != key["weights_sha256"]
+    assert graph_store.graph_key(model, shape, {"matmuls": "generated"})["weights_sha256"] != key["weights_sha256"]
     with torch.inference_mode():  # weights made in inference mode have no version counter, and still get a key
         frozen = copy.deepcopy(model)
     assert graph_store.weights_digest(frozen) == graph_store.weights_digest(model)
@@ -154,7 +154,7 @@ from minillm.speed.compile import compile_model
 from minillm.speed.attention_kernels import make_backend
 from minillm.speed.step_shapes import StepShape
 _, model = tiny_pair("llama", context_length=256)
-compiled = compile_model(model, autotune=False, kept=True)
+compiled = compile_model(model, matmuls="library", kept=True)
 seconds = compiled.prepare([StepShape.decode(model.config, 1, 256)], progress=False)
 session = DecodeSession(compiled, "static", max_len=256, fixed_shape=True)
 with torch.inference_mode():

@@ -145,7 +145,7 @@ def run(args) -> dict:
         prompts = [ids[i * 7: i * 7 + prompt_tokens] for i in range(batch)]
         contenders = {name: _decode(m, prompts, new_tokens) for name, m in variants.items()}
         contenders["transformers float32"] = _transformers_decode(hf_model, prompts, new_tokens)
-        if batch == 1:  # the first (warm-up) round compiles: autotuning each variant's matmuls takes minutes
+        if batch == 1:  # the first (warm-up) round compiles each variant's graph: about a minute each
             contenders.update({name + COMPILED_SUFFIX: _decode(variants[name], prompts, new_tokens, compile=True)
                                for name in COMPILED})
             contenders.update({name: _llama_cpp_decode(llama, prompts[0], new_tokens) for name, llama in llamas.items()})

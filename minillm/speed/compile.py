@@ -7,8 +7,8 @@ separate Python call and kernel launch over tiny tensors. And each matmul is one
 activation row times a weight matrix, a shape general GEMM libraries are not built
 for: they stream the weight well below the memory bandwidth. `torch.compile` traces
 the forward into one graph; Inductor fuses the elementwise ops into a few generated
-C++ loops and, autotuning (`inductor_settings`), replaces the library matmuls with
-kernels generated for each weight's exact shape wherever those time faster.
+C++ loops and replaces the library matmuls with kernels generated for each weight's
+exact shape (`inductor_settings`), where those run faster (`matmul_kernels`).
 
 A graph is only reusable while the shapes it was traced with stay the same. A
 growing cache changes the key length every step, which would mean a new graph per
@@ -51,7 +51,7 @@ from .attention_kernels import make_backend
 from .cuda_graph import CapturedStep
 from .graph_forward import CacheStep, graph_ready_copy, refuse_long_rope
 from .graph_store import PackagedStep, graph_key, is_built, load_or_build
-from .inductor import inductor_settings, worth_autotuning
+from .inductor import check_matmul_kernels, inductor_settings, matmul_kernels
 from .step_shapes import PagedShape, StepShape
 
 
@@ -63,14 +63,16 @@ class CompiledModel:
     `eager_calls`): the session's cache is the same either way.
     """
 
-    def __init__(self, model, chunk: int = 64, autotune: bool | None = None, kept: bool = False):
+    def __init__(self, model, chunk: int = 64, matmuls: str | None = None, kept: bool = False):
         """kept: run the graphs as AOTInductor packages kept on disk (`minillm.speed.graph_store`), built
         or loaded by `prepare` before the run; False: torch.compile them in this process as they are met.
-        autotune: None decides for each step's shape, by the model, the rows it multiplies and the machine
-        (`worth_autotuning`); True or False decides for every shape."""
+        matmuls: the kernels that run the weight matmuls, "library", "generated" or "timed"
+        (`minillm.speed.inductor.MATMUL_KERNELS`) for every shape; None decides for each step's shape, by
+        the model, the rows it multiplies and the device (`matmul_kernels`)."""
         if chunk < 1:
             raise ValueError(f"chunk={chunk}: the prefill chunk length must be >= 1")
-        self.model, self.chunk, self.config, self.autotune, self.kept = model, chunk, model.config, autotune, kept
+        check_matmul_kernels(matmuls)
+        self.model, self.chunk, self.config, self.matmuls, self.kept = model, chunk, model.config, matmuls, kept
         self.graphs = 0  # graphs compiled so far (a recompile adds one)
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
         self.eager_calls = 0
@@ -79,7 +81,7 @@ class CompiledModel:
         # compiled step. After `prepare`, a shape not in here runs eagerly instead of compiling in the loop.
         self.packages = {}
         self.only_prepared = kept
-        self._autotune_by_rows = {}  # worth_autotuning's answer per rows, asked once (it walks the model's tensors)
+        self._matmuls_by_rows = {}  # matmul_kernels' answer per rows, asked once (it walks the model's tensors)
         if kept:  # the traced copy is made only if a package must be built: loading one needs no copy
             return
         # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
@@ -102,18 +104,18 @@ class CompiledModel:
         """Whether a kept package for `shape` is on disk, so `prepare` would load rather than build it."""
         return is_built(self.model, shape, self.settings_for(shape))
 
-    def autotune_for(self, shape: StepShape | PagedShape) -> bool:
-        """Whether the step of `shape` is compiled with autotuned matmuls: the choice given, or `worth_autotuning`'s
-        for the rows its matmuls multiply (one row: matrix-vector products; more, or any number: matrix products)."""
-        if self.autotune is not None:
-            return self.autotune
-        if shape.rows not in self._autotune_by_rows:
-            self._autotune_by_rows[shape.rows] = worth_autotuning(self.model, shape.rows)
-        return self._autotune_by_rows[shape.rows]
+    def matmuls_for(self, shape: StepShape | PagedShape) -> str:
+        """The kernels that run the matmuls of the step of `shape`: the choice given, or `matmul_kernels`' for the
+        rows its matmuls multiply (one row: matrix-vector products; more, or any number: matrix products)."""
+        if self.matmuls is not None:
+            return self.matmuls
+        if shape.rows not in self._matmuls_by_rows:
+            self._matmuls_by_rows[shape.rows] = matmul_kernels(self.model, shape.rows)
+        return self._matmuls_by_rows[shape.rows]
 
     def settings_for(self, shape: StepShape | PagedShape) -> dict:
         """What, beside the model and the shape, changes the kept package of `shape`: part of its key."""
-        return {"autotune": self.autotune_for(shape)}
+        return {"matmuls": self.matmuls_for(shape)}
 
     def prepare(self, shapes, session=None, progress: bool = True) -> float:
         """Make the steps of these `StepShape`s (and `PagedShape`s) ready before the run; the seconds it took.
@@ -143,10 +145,10 @@ class CompiledModel:
                   leave=False) as bar:
             for shape in needed:
                 if self.kept:
-                    key, autotune = graph_key(self.model, shape, self.settings_for(shape)), self.autotune_for(shape)
+                    key, matmuls = graph_key(self.model, shape, self.settings_for(shape)), self.matmuls_for(shape)
                     self.packages[shape] = load_or_build(
                         self.model, lambda: shape.module(self.step_module), shape, key,
-                        lambda: inductor_settings(autotune, self.device), progress=bar.set_postfix_str)
+                        lambda: inductor_settings(matmuls, self.device), progress=bar.set_postfix_str)
                 else:
                     self.packages[shape] = self._warm(shape, session, captured)
                 bar.update()
@@ -161,7 +163,7 @@ class CompiledModel:
         keys, values = session.cache.k_layers, session.cache.v_layers
         inputs = shape.example_inputs(self.config, self.dtype, self.device)[:-2]  # writes column 0 onward
         if captured:
-            with inductor_settings(self.autotune_for(shape), self.device):
+            with inductor_settings(self.matmuls_for(shape), self.device):
                 step = CapturedStep(self._compiled_step, inputs, keys, values)
         else:
             self._timed(*inputs, keys, values)
@@ -203,7 +205,7 @@ class CompiledModel:
         prepared = self.packages.get(shape)
         if isinstance(prepared, (PackagedStep, CapturedStep)):
             return prepared(*args)
-        with inductor_settings(self.autotune_for(shape), self.device):  # set while the step runs: a graph compiles on its first call
+        with inductor_settings(self.matmuls_for(shape), self.device):  # set while the step runs: a graph compiles on its first call
             return self._compiled_step(*args)
 
     def __call__(self, tokens, positions, cache=None, mask=None, last_only: bool = False, logits_at=None):
@@ -310,21 +312,22 @@ def spare_rows_fed(rows: int, tokens, positions, columns, mask):
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compile_model(model, chunk: int = 64, autotune: bool | None = None, kept: bool = False) -> CompiledModel:
+def compile_model(model, chunk: int = 64, matmuls: str | None = None, kept: bool = False) -> CompiledModel:
     """The model's compiled twin, made once per model and settings (compiled graphs are kept with it).
 
-    autotune: let Inductor time generated matmul kernels against the library's and keep the
-    fastest (`inductor_settings`): slower to compile, faster to run; None (the default): for each
-    step where it pays, by the model, the step's rows and the machine (`worth_autotuning`). kept: its graphs are
+    matmuls: the kernels that run the weight matmuls (`inductor_settings`): "library" (MKL, oneDNN,
+    cuBLAS), "generated" (a kernel Inductor writes for each weight's shape) or "timed" (both, the faster
+    kept: the slowest to compile); None (the default): for each step by the model, the rows its
+    matmuls multiply and the device (`matmul_kernels`). kept: its graphs are
     AOTInductor packages on disk (`minillm.speed.graph_store`), built once per machine and loaded
     by `CompiledModel.prepare`; False: compiled in this process by torch.compile when first met.
     """
     if isinstance(model, CompiledModel):
         return model
     per_model = _COMPILED.setdefault(model, {})
-    if (chunk, autotune, kept) not in per_model:
-        per_model[chunk, autotune, kept] = CompiledModel(model, chunk, autotune, kept)
-    return per_model[chunk, autotune, kept]
+    if (chunk, matmuls, kept) not in per_model:
+        per_model[chunk, matmuls, kept] = CompiledModel(model, chunk, matmuls, kept)
+    return per_model[chunk, matmuls, kept]
 
 
 __all__ = ["CompiledModel", "compile_model", "spare_rows_fed"]

@@ -1,7 +1,7 @@
-"""Inductor's settings for the course's compiles: frozen weights, a C++ driver, autotuning where it pays.
+"""Inductor's settings for the course's compiles: frozen weights, a C++ driver, and which kernels run the matmuls.
 
 `CompiledModel` (compile.py) compiles in this process and `graph_store` builds kept packages; both
-compile under `inductor_settings`, and both key what they build by whether it was autotuned.
+compile under `inductor_settings`, and both key what they build by its matmul kernels (`MATMUL_KERNELS`).
 """
 
 from __future__ import annotations
@@ -14,65 +14,73 @@ from unittest import mock
 
 import torch
 
-from .onednn import libraries_stream_matvecs
-from .quant import QuantizedLinear
-
 AUTOTUNE_MIN_ELEMENTS = 1_000_000
+# What runs a compiled step's weight matmuls: the library's call (MKL or oneDNN on a CPU, cuBLAS on a GPU),
+# a kernel Inductor generates for each weight's exact shape, or both, timed on the spot and the faster kept.
+MATMUL_KERNELS = ("library", "generated", "timed")
 
 
-def worth_autotuning(model, rows: int | None = 1) -> bool:
-    """Whether autotuning pays for a step of this model on this machine whose matmuls multiply `rows` rows
-    (1: a batch-1 decode step; None: any number, decided at each call, as the server's step).
+def matmul_kernels(model, rows: int | None = 1) -> str:
+    """Which kernels run the matmuls of a compiled step of this model whose matmuls multiply `rows` rows
+    (1: a batch-1 decode step, matrix-vector products; None: any number, decided at each call, as the
+    server's step); one of `MATMUL_KERNELS`.
 
-    Autotuning generates, compiles and times a kernel for every matmul (`inductor_settings`). What
-    it buys depends on the kernels it competes with, and what it costs is build time. Measured on
-    the default model's decode graph, batch 1, two cores:
+    Generating a kernel costs build time (writing and compiling its C++); timing it against the
+    library's costs more (every candidate compiled and run). Measured on the default model, two cores:
 
-        quantized linears (any CPU)     Inductor's weight-only int8 and int4 kernels against ATen's:
-                                        on a Xeon (AVX-512) int8 120.6 vs 67.1 tok/s, gguf (int4)
-                                        138.7 vs 107.4, for builds of 52 s and 49 s instead of 38 s
-        float, 2-core AMD EPYC (AVX2)   30 up-projections [3072, 576]: MKL 33%, oneDNN 54%, the generated
-                                        kernel 85% of the read bandwidth (lesson 15's notebook), 1.6x
-                                        oneDNN's speed; the FP32 build takes 175 s
-        float, 2-core Xeon (AVX-512)    one row: MKL 85%, oneDNN 76%, the frozen graph's library calls
-                                        97%, autotuned 90%: 43.6 vs 41.5 tok/s (+5%) for a build of 92 s
-                                        instead of 40 s. Several rows: the graph's library call (MKL,
-                                        the weight not prepacked) takes 8.0 ms for those 30 matmuls at
-                                        one row, 15.6 at 4 and 20.7 at 8 (oneDNN prepacked: 11.7-13.2);
-                                        the server's step over 8 rows 62 ms plain, 54 autotuned
+        one row, float32, 2-core Xeon   the whole decode step with generated matvecs 20.9 ms against
+        (AVX-512)                       23.4 with MKL's, built in 50 s against 39 s (two packages
+                                        loaded in one process, calls alternated); timing both, in an
+                                        earlier session, built in 92 s and bought 5%
+        one row, float32, 2-core AMD    30 up-projections [3072, 576]: MKL 33%, oneDNN 54%, the generated
+        EPYC (AVX2)                     kernel 85% of the read bandwidth (lesson 15's notebook, earlier
+                                        sessions): timing always picked the generated kernel
+        one row, quantized (any CPU)    Inductor's weight-only int8 and int4 kernels: int8 120.6 tok/s
+                                        against ATen's 67.1, int4 138.7 against 107.4 on the Xeon; timing
+                                        keeps the same kernels (the same logits, bit for bit) and builds
+                                        the int8 and int4 steps in 53 and 50 s against 50 and 48 generated
+        several rows (float)            MKL, handed a weight it has not prepacked, takes 8.0 ms for the 30
+                                        up-projections at one row, 15.6 at 4 and 20.7 at 8 (oneDNN
+                                        prepacked: 11.7-13.2); the server's step over 8 rows 62 ms plain,
+                                        54 timed: there the library's call and the generated kernel
+                                        trade places by shape, so both are timed
 
-    So a quantized model is always autotuned; a float one is, unless the step multiplies one row and
-    Intel's libraries already stream matvecs (`libraries_stream_matvecs`). A model of a few thousand
-    weights (the course's tiny test models) runs no faster with a tuned kernel and would triple its
-    compile time.
+    So one row gets generated kernels, several rows timed ones. A model of a few thousand weights
+    (the course's tiny test models) runs no faster with either and would triple its compile time, and
+    on a GPU a decode step's matmuls are already cuBLAS kernels streaming near the bandwidth (what
+    compiling buys there is one CUDA graph launch instead of hundreds of kernel launches): both keep
+    the library's.
     """
     if model.device.type != "cpu":
-        # On a GPU a decode step's matmuls are already cuBLAS kernels streaming near the bandwidth; what
-        # compiling buys there is one CUDA graph launch instead of hundreds of kernel launches.
-        return False
+        return "library"
     if sum(tensor.numel() for tensor in itertools.chain(model.parameters(), model.buffers())) < AUTOTUNE_MIN_ELEMENTS:
-        return False
-    quantized = any(isinstance(module, QuantizedLinear) for module in model.modules())
-    return quantized or rows != 1 or not libraries_stream_matvecs()
+        return "library"
+    return "generated" if rows == 1 else "timed"
+
+
+def check_matmul_kernels(matmuls: str | None) -> None:
+    if matmuls is not None and matmuls not in MATMUL_KERNELS:
+        raise ValueError(f"matmuls={matmuls!r}: choose one of {', '.join(MATMUL_KERNELS)} (or None to decide per step)")
 
 
 @contextlib.contextmanager
-def inductor_settings(autotune: bool, device):
-    """Inductor's settings for a compile: frozen weights and, with `autotune`, generated matmul kernels.
+def inductor_settings(matmuls: str, device):
+    """Inductor's settings for a compile: frozen weights and the matmul kernels `matmuls` names (`MATMUL_KERNELS`).
 
     Freezing turns the weights into constants, so Inductor may lay them out for its own
-    kernels once, at compile time. With autotune (`max_autotune`) each matmul becomes a
-    choice: the library call (MKL on x86 CPUs) or a kernel Inductor generates for this
-    exact shape (on CPUs its C++ GEMM template over the prepacked weight; on GPUs Triton
-    templates), timed on the spot, the fastest kept. At batch 1 a decode matmul is a
+    kernels once, at compile time. "generated" and "timed" turn on `max_autotune`, which makes
+    each matmul a choice among candidates: "generated" offers only the kernel Inductor writes
+    for this exact shape (on CPUs its C++ GEMM template over the prepacked weight; on GPUs a
+    Triton template), so nothing is timed; "timed" adds the library's call (MKL on x86 CPUs),
+    runs each candidate on the spot and keeps the fastest. At batch 1 a decode matmul is a
     matrix-vector product whose speed is how fast the weight streams from memory, and a
-    kernel made for one shape (no blocking for rows that never come) streams it closer
-    to the memory bandwidth than a general GEMM library: that is most of the compiled
-    step's gain. Autotuning costs compile time, once per graph; Inductor's own table of
-    the timings is not printed.
+    kernel made for one shape (no blocking for rows that never come) streams it at least as
+    close to the bandwidth as a general GEMM library. A matmul the template cannot write keeps
+    the library's call. Inductor's own table of the timings is not printed.
     """
     from torch._inductor import config, select_algorithm
 
+    check_matmul_kernels(matmuls)
     on_cpu = torch.device(device).type == "cpu"
     settings = {"freezing": True}
     if on_cpu:
@@ -81,12 +89,12 @@ def inductor_settings(autotune: bool, device):
         settings["cpp_wrapper"] = True
     # (On a GPU the same problem is solved by recording the step's launches once as a CUDA graph and
     # replaying it: `minillm.speed.cuda_graph`.)
-    if autotune:
-        settings.update(max_autotune=True, max_autotune_report_choices_stats=False)
-        if on_cpu:
-            settings["max_autotune_gemm_backends"] = "CPP,ATEN"
+    if matmuls != "library":
+        generated = "CPP" if on_cpu else "TRITON"
+        settings.update(max_autotune=True, max_autotune_report_choices_stats=False, autotune_fallback_to_aten=True,
+                        max_autotune_gemm_backends=generated if matmuls == "generated" else f"{generated},ATEN")
     quiet = contextlib.nullcontext()
-    if autotune and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
+    if matmuls != "library" and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
         quiet = mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
     with config.patch(settings), quiet, templates_compiled_once(), warnings.catch_warnings():
         # torch's own deprecation notes, not the reader's concern: Inductor's autotuner still calls `Tensor.storage()`,
@@ -122,5 +130,5 @@ def _parsed_once(parse):
     return functools.cache(parse)
 
 
-__all__ = ["AUTOTUNE_MIN_ELEMENTS", "inductor_settings", "libraries_stream_matvecs", "templates_compiled_once",
-           "worth_autotuning"]
+__all__ = ["AUTOTUNE_MIN_ELEMENTS", "MATMUL_KERNELS", "check_matmul_kernels", "inductor_settings", "matmul_kernels",
+           "templates_compiled_once"]
