@@ -288,8 +288,10 @@ def run(args) -> int:
     check_constraint(args, config)
     beam = beam_options(args, config)
     check_flag_combinations(args)
+    # The copy into huge pages is left to the runner: a run decoding through kept graphs that hold their own
+    # copies of the weights skips it (a second or so of start-up on the course's VM).
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain,
-                                  quant=args.quant)
+                                  quant=args.quant, defer_huge_pages=True)
     set_attention_backend(model, make_backend(args.attention))
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")

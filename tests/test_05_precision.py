@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from minillm.model.transformer import causal_positions
-from minillm.speed.huge_pages import huge_page_bytes, into_huge_pages, model_into_huge_pages, transparent_huge_pages
+from minillm.speed.huge_pages import (
+    defer_placement,
+    huge_page_bytes,
+    into_huge_pages,
+    model_into_huge_pages,
+    place_deferred,
+    transparent_huge_pages,
+)
 from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
 from minillm.strategies.generate import generate
 
@@ -130,6 +137,22 @@ def test_a_model_in_huge_pages_computes_the_same_logits_and_keeps_tied_weights(t
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
     with torch.inference_mode():
         assert torch.equal(model(tokens, causal_positions(2, 12)), expected)  # float32: bit for bit
+
+
+def test_placement_can_wait_for_the_runner():
+    """`defer_placement` leaves a model's tensors where they are; `place_deferred` then copies them into huge pages
+    once (the same values), and leaves a model that was never deferred alone."""
+    model = torch.nn.Linear(64, 64)
+    before, address = model.weight.detach().clone(), model.weight.data_ptr()
+    place_deferred(model)
+    assert model.weight.data_ptr() == address  # never deferred: untouched
+    defer_placement(model)
+    assert model.weight.data_ptr() == address
+    place_deferred(model)
+    moved = model.weight.data_ptr()
+    assert moved != address and torch.equal(model.weight, before)
+    place_deferred(model)
+    assert model.weight.data_ptr() == moved  # once
 
 
 def test_notebook_runs(run_notebook):

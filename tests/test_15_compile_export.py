@@ -109,14 +109,14 @@ def test_matmul_kernels_follow_the_model_and_the_rows():
     is part of what a kept package's key holds."""
     from minillm.model.config import ModelConfig
     from minillm.model.transformer import Transformer
-    from minillm.speed.inductor import AUTOTUNE_MIN_ELEMENTS, matmul_kernels
+    from minillm.speed.inductor import GENERATED_MIN_ELEMENTS, matmul_kernels
     from minillm.speed.quantize_model import quantize_model
     from minillm.speed.step_shapes import PagedShape, StepShape
 
     tiny = tiny_pair("llama")[1]
     large = Transformer(ModelConfig(vocab_size=4096, context_length=64, n_layer=1, n_head=4, d_model=256))
     quantized = quantize_model(copy.deepcopy(large), "int8")
-    assert sum(p.numel() for p in large.parameters()) >= AUTOTUNE_MIN_ELEMENTS
+    assert sum(p.numel() for p in large.parameters()) >= GENERATED_MIN_ELEMENTS
     one_row, batch, verify = (StepShape.decode(large.config, 1, 64), StepShape.decode(large.config, 4, 64),
                               StepShape.verify(large.config, 1, 5, 64))
     assert (one_row.rows, batch.rows, verify.rows, PagedShape(16).rows) == (1, 4, 5, None)

@@ -113,6 +113,28 @@ def test_a_damaged_package_is_rebuilt_not_loaded(built, kept_home, monkeypatch, 
     assert "manifest" in graph_store.entry_problem(entry)
 
 
+@pytest.mark.slow
+def test_a_deferred_model_moves_to_huge_pages_only_when_its_decode_reads_it(tmp_path, monkeypatch):
+    """`load_model(defer_huge_pages=True)`, as the command line loads: the runner of a kept graph whose matmuls are all
+    generated kernels over the package's own copies leaves the model where it is; an eager runner moves it into huge
+    pages; the kept graph still decodes the eager tokens after the model moved (the package holds what it shares)."""
+    from minillm.speed import compile as compile_module
+    from minillm.speed.huge_pages import defer_placement
+
+    monkeypatch.setenv("MINILLM_HOME", str(tmp_path))
+    monkeypatch.setattr(compile_module, "matmul_kernels", lambda model, rows=1: "generated")  # a tiny model's, too
+    _, model = tiny_pair("llama", context_length=256)
+    weight = model.blocks[0].mlp.fc.weight
+    defer_placement(model)
+    address = weight.data_ptr()
+    compiled = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
+    assert compiled.stats.extra["graph"] == "compiled" and weight.data_ptr() == address
+    eager = generate(model, PROMPTS[:1], max_new_tokens=12, compile=False)
+    assert weight.data_ptr() != address  # placed: the eager decode reads the model's own weights
+    again = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
+    assert again.stats.extra["graph"] == "compiled" and compiled.token_ids == eager.token_ids == again.token_ids
+
+
 def test_the_key_follows_weights_shape_and_settings():
     _, model = tiny_pair("llama", context_length=256)
     shape = StepShape.decode(model.config, 1, 100)

@@ -41,6 +41,7 @@ import torch
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..model.attention import uses_default_attention
 from ..speed.compile import compile_model
+from ..speed.huge_pages import place_deferred
 from ..speed.onnx_model import OnnxModel, OnnxSession
 from ..speed.step_shapes import PagedShape, StepShape
 from .sequence import Sequence
@@ -86,6 +87,9 @@ class ModelRunner:
         if graph == "onnx" and not exported or exported and (graph == "compiled" or cache != "static"):
             raise ValueError("an ONNX export runs its own graphs over its own static cache: load it with "
                              "OnnxModel(folder) and leave cache and compile at their defaults")
+        if not exported and not (graph == "compiled" and model.device.type == "cpu"
+                                 and compile_model(model, kept=True).holds_its_weights(shapes)):
+            place_deferred(model)  # its decode reads the model's own weights: into huge pages, if the loader deferred
         self.model, self.cache_kind, self.graph = model, cache, "onnx" if exported else graph
         self.rows: list[Sequence] = []  # the sequences the contiguous cache holds, in row order
         self.build_seconds = 0.0  # how long loading or building the compiled graphs took, before any step

@@ -95,6 +95,9 @@ class PackagedStep:
         mapped = [name for name in constants if name not in shared]
         constants.update(zip(mapped, into_huge_pages([constants[name] for name in mapped])))
         self.loader.load_constants(constants, False, True, True)  # active set, every constant, user-managed
+        # User-managed: the library runs on these tensors as they are. Held here too, so that the model's tensors stay
+        # alive for the package even if the model is later moved (into huge pages, `place_deferred`).
+        self.constants = constants
         self.build_seconds = json.loads((folder / KEY_FILE).read_text()).get("build_seconds")  # the one-time cost
 
     def __call__(self, *args) -> torch.Tensor:

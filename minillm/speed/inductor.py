@@ -14,7 +14,7 @@ from unittest import mock
 
 import torch
 
-AUTOTUNE_MIN_ELEMENTS = 1_000_000
+GENERATED_MIN_ELEMENTS = 1_000_000  # weights and buffers: a smaller model keeps the library's (`matmul_kernels`)
 # What runs a compiled step's weight matmuls: the library's call (MKL or oneDNN on a CPU, cuBLAS on a GPU),
 # a kernel Inductor generates for each weight's exact shape, or both, timed on the spot and the faster kept.
 MATMUL_KERNELS = ("library", "generated", "timed")
@@ -30,8 +30,14 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
 
         one row, float32, 2-core Xeon   the whole decode step with generated matvecs 20.9 ms against
         (AVX-512)                       23.4 with MKL's, built in 50 s against 39 s (two packages
-                                        loaded in one process, calls alternated); timing both, in an
-                                        earlier session, built in 92 s and bought 5%
+                                        loaded in one process, calls alternated; lesson 15's notebook
+                                        times the same); timing both, in an earlier session, built in
+                                        92 s and bought 5%. The generated kernels read their own
+                                        re-laid-out copy of the weights (542 MB), which a load places
+                                        in huge pages (about a second on the course's VM); the command
+                                        line then skips placing the model's copy (`defer_placement`),
+                                        and a whole 128-token CLI run took 5.6-6.2 s against 5.8-6.8
+                                        with MKL's matvecs (alternated; 6.6-7.2 without skipping)
         one row, float32, 2-core AMD    30 up-projections [3072, 576]: MKL 33%, oneDNN 54%, the generated
         EPYC (AVX2)                     kernel 85% of the read bandwidth (lesson 15's notebook, earlier
                                         sessions): timing always picked the generated kernel
@@ -53,7 +59,7 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
     """
     if model.device.type != "cpu":
         return "library"
-    if sum(tensor.numel() for tensor in itertools.chain(model.parameters(), model.buffers())) < AUTOTUNE_MIN_ELEMENTS:
+    if sum(tensor.numel() for tensor in itertools.chain(model.parameters(), model.buffers())) < GENERATED_MIN_ELEMENTS:
         return "library"
     return "generated" if rows == 1 else "timed"
 
@@ -130,5 +136,5 @@ def _parsed_once(parse):
     return functools.cache(parse)
 
 
-__all__ = ["AUTOTUNE_MIN_ELEMENTS", "MATMUL_KERNELS", "check_matmul_kernels", "inductor_settings", "matmul_kernels",
+__all__ = ["GENERATED_MIN_ELEMENTS", "MATMUL_KERNELS", "check_matmul_kernels", "inductor_settings", "matmul_kernels",
            "templates_compiled_once"]

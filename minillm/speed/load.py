@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from ..model.loading import read_model
-from .huge_pages import model_into_huge_pages
+from .huge_pages import defer_placement, model_into_huge_pages
 from .onednn import use_onednn
 from .quant_gguf import apply_quantization
 
 
 def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float32", device: str = "cpu",
-               fast: bool = True, quant: str = "none"):
+               fast: bool = True, quant: str = "none", defer_huge_pages: bool = False):
     """Return (model, tokenizer) ready for inference (eval mode, no grad needed).
 
     name_or_path: "default" (SmolLM2-135M-Instruct), "gemma3-270m", a local Hugging Face folder or GGUF
@@ -20,6 +20,8 @@ def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
     False keeps the plain from-scratch model.
     quant: "none", or a quantization the command line offers (`apply_quantization`), swapped in after
     loading; refused before anything loads on a device its kernels do not run on.
+    defer_huge_pages: leave the copy into huge pages to the runner that decodes with the model
+    (`minillm.speed.huge_pages.defer_placement`): a run whose kept graphs hold their own copies skips it.
     """
     if quant != "none" and device_kind(device) not in ("cpu", None):
         raise ValueError(f"--quant {quant} runs CPU kernels (lesson 14), not on {device}: drop --device, or --quant")
@@ -28,8 +30,11 @@ def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
         use_onednn(model)
     if quant != "none":
         apply_quantization(model, quant, name_or_path)
-    if fast and model.device.type == "cpu":
-        model_into_huge_pages(model)  # last: the quantized blocks are weights too
+    if fast and model.device.type == "cpu":  # last: the quantized blocks are weights too
+        if defer_huge_pages:
+            defer_placement(model)
+        else:
+            model_into_huge_pages(model)
     return model, tokenizer
 
 
