@@ -102,10 +102,9 @@ _DEFERRED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose copy
 def defer_placement(model: nn.Module) -> nn.Module:
     """Leave `model` where it is until something decodes by reading its weights (`place_deferred`); the model.
 
-    The copy is not free: a process's first touch of fresh memory costs 0.96 s for 542 MB of
-    ordinary pages and 1.67 s of huge pages on the course's VM (the host backs the guest's
-    memory as it is touched), against 0.10-0.12 s for memory the process had just freed. A
-    kept graph whose matmuls are generated kernels (`minillm.speed.inductor.matmul_kernels`)
+    The copy is not free: on the course's VM a fresh 542 MB huge-page region took 1.67 s to
+    fill (the host backs the guest's memory as it is first written), one reusing memory the
+    process had just freed 0.10-0.12 s. A kept graph whose matmuls are generated kernels (`minillm.speed.inductor.matmul_kernels`)
     reads its own re-laid-out copy of every matmul weight, already in huge pages, and the
     model's copy then serves only the eager prefill: copying it too would pay that cost twice
     for nothing. The command line defers; `ModelRunner` places the model once its decode will
