@@ -28,6 +28,10 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
             kernel; on a GPU, where nothing is kept, never), else "eager" (what the command line and the
             server run unless told)
 
+A model the loader left out of huge pages (`load_model(defer_huge_pages=True)`, as the command line loads) is
+placed there here, once, when the run's decode reads the model's own weights: eagerly, or through a graph that
+calls the library on them; kept graphs whose matmuls read their own copies leave it where it is.
+
 For contiguous caches the runner keeps its rows in the order of the sequences it was last
 given; a step over fewer sequences (some finished) drops the others' rows, so a strategy
 only says which sequences go on. The rows, positions and masks themselves are the decode
@@ -89,7 +93,7 @@ class ModelRunner:
                              "OnnxModel(folder) and leave cache and compile at their defaults")
         if not exported and not (graph == "compiled" and model.device.type == "cpu"
                                  and compile_model(model, kept=True).holds_its_weights(shapes)):
-            place_deferred(model)  # its decode reads the model's own weights: into huge pages, if the loader deferred
+            place_deferred(model)  # its decode reads the model's own weights: into huge pages (if the loader deferred)
         self.model, self.cache_kind, self.graph = model, cache, "onnx" if exported else graph
         self.rows: list[Sequence] = []  # the sequences the contiguous cache holds, in row order
         self.build_seconds = 0.0  # how long loading or building the compiled graphs took, before any step

@@ -104,11 +104,12 @@ def defer_placement(model: nn.Module) -> nn.Module:
 
     The copy is not free: on the course's VM a fresh 542 MB huge-page region took 1.67 s to
     fill (the host backs the guest's memory as it is first written), one reusing memory the
-    process had just freed 0.10-0.12 s. A kept graph whose matmuls are generated kernels (`minillm.speed.inductor.matmul_kernels`)
-    reads its own re-laid-out copy of every matmul weight, already in huge pages, and the
-    model's copy then serves only the eager prefill: copying it too would pay that cost twice
-    for nothing. The command line defers; `ModelRunner` places the model once its decode will
-    read it (eager, or a graph that calls the library on the model's weights).
+    process had just freed 0.10-0.12 s. A kept graph whose matmuls are generated kernels
+    (`minillm.speed.inductor.matmul_kernels`) reads its own re-laid-out copy of every matmul
+    weight, already in huge pages, and the model's copy then serves only the eager prefill:
+    copying it too would pay that cost twice for nothing. The command line defers;
+    `ModelRunner` places the model once its decode will read it (eager, or a graph that calls
+    the library on the model's weights).
     """
     _DEFERRED.add(model)
     return model
