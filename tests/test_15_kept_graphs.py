@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ import torch
 from minillm.model.attention import set_attention_backend
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.runner import ModelRunner
-from minillm.speed import graph_store
+from minillm.speed import cpp_build, graph_store
 from minillm.speed.attention_kernels import make_backend
 from minillm.speed.compile import compile_model
 from minillm.speed.step_shapes import StepShape
@@ -43,11 +45,28 @@ def kept_home(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def built(kept_home):
+def compiler_runs():
+    """Each g++ run of the module's first build: (its command line, when it started, when it ended)."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def built(kept_home, compiler_runs):
     """A tiny Llama whose decode graph for two rows of up to 256 tokens was built by `generate(compile=True)`."""
+    from torch._inductor import cpp_builder
+
     _, model = tiny_pair("llama", context_length=256)
     eager = generate(model, PROMPTS, max_new_tokens=12, compile=False)
-    compiled = generate(model, PROMPTS, max_new_tokens=12, compile=True)
+    run_compile_cmd = cpp_builder.run_compile_cmd
+
+    def recorded(command, cwd):
+        start = time.monotonic()
+        run_compile_cmd(command, cwd)
+        compiler_runs.append((command, start, time.monotonic()))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpp_builder, "run_compile_cmd", recorded)
+        compiled = generate(model, PROMPTS, max_new_tokens=12, compile=True)
     return model, eager, compiled
 
 
@@ -133,6 +152,88 @@ def test_a_deferred_model_moves_to_huge_pages_only_when_its_decode_reads_it(tmp_
     assert weight.data_ptr() != address  # placed: the eager decode reads the model's own weights
     again = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
     assert again.stats.extra["graph"] == "compiled" and compiled.token_ids == eager.token_ids == again.token_ids
+
+
+@pytest.mark.slow
+def test_the_wrapper_compiled_beside_the_kernels_without_its_input_checks(built, kept_home, compiler_runs):
+    """The build's g++ runs: the wrapper's and the kernels' overlap, the link starts after both end; the package's
+    wrapper source has no per-input check functions, only the empty check its `run_impl` calls."""
+    def run(part):
+        (found,) = [r for r in compiler_runs if part in r[0] and " -c " in f" {r[0]} "]
+        return found
+
+    _, wrapper_start, wrapper_end = run("wrapper.cpp")
+    _, kernel_start, kernel_end = run("kernel.cpp")
+    assert wrapper_start < kernel_end and kernel_start < wrapper_end  # both compiling at once
+    links = [start for command, start, _ in compiler_runs if " -shared " in f" {command} "]
+    assert links and min(links) >= max(wrapper_end, kernel_end)
+    (entry,) = (kept_home / "graphs").iterdir()
+    (source,) = (entry / graph_store.PACKAGE).rglob("*.wrapper.cpp")
+    code = source.read_text()
+    assert "check_input_0" not in code and "__check_inputs_outputs(input_handles, output_handles);" in code
+    assert built[1].token_ids == built[2].token_ids  # and the package still decodes the eager tokens
+
+
+class FakeBuilder:
+    """What `cpp_build` reads of torch's `CppBuilder`: whether it only compiles, and the file it makes."""
+
+    def __init__(self, target: str, compile_only: bool = True):
+        self._target_file, self._compile_only = target, compile_only
+
+
+def test_the_pinned_torch_takes_both_build_patches():
+    assert cpp_build.installed_patches() == ["concurrent wrapper", "no input checks"]
+
+
+def test_a_link_waits_for_the_wrapper_that_compiles_beside_the_kernels(monkeypatch):
+    """The wrapper's compile returns at once and runs on; the kernels' compile runs while it does (the fake wrapper
+    compile finishes only once the kernels' has started); the link runs after the wrapper's ends; outside the
+    context the builds run as torch runs them."""
+    events, kernels_started = [], threading.Event()
+
+    def build(builder):
+        name = Path(builder._target_file).name
+        if name.endswith(".wrapper.o"):
+            events.append(("wrapper waited for the kernels", kernels_started.wait(timeout=30)))
+        if name.endswith(".kernel.o"):
+            kernels_started.set()
+        events.append(name)
+
+    cpp_build.installed_patches()
+    monkeypatch.setitem(cpp_build._originals, "concurrent wrapper", build)
+    with cpp_build.faster_package_build():
+        cpp_build._build_beside(FakeBuilder("/b/c1.wrapper.o"))
+        cpp_build._build_beside(FakeBuilder("/b/c2.kernel.o"))
+        cpp_build._build_beside(FakeBuilder("/b/c1.wrapper.so", compile_only=False))
+    assert events == ["c2.kernel.o", ("wrapper waited for the kernels", True), "c1.wrapper.o", "c1.wrapper.so"]
+    events.clear()
+    kernels_started.clear()
+    cpp_build._build_beside(FakeBuilder("/b/c3.kernel.o"))  # outside: in order, in this thread
+    assert events == ["c3.kernel.o"]
+
+
+def test_a_failed_wrapper_compile_fails_the_build(monkeypatch):
+    """g++'s error on the wrapper reaches the builder at the link; a build that failed on its own error still waits for
+    the wrapper's compile before leaving, and reports its own error."""
+    stopped = []
+
+    def build(builder):
+        if builder._target_file.endswith(".wrapper.o"):
+            time.sleep(0.2)
+            stopped.append(builder._target_file)
+            raise RuntimeError("g++: wrapper.cpp:1: error")
+
+    cpp_build.installed_patches()
+    monkeypatch.setitem(cpp_build._originals, "concurrent wrapper", build)
+    with pytest.raises(RuntimeError, match="wrapper.cpp:1"):
+        with cpp_build.faster_package_build():
+            cpp_build._build_beside(FakeBuilder("/b/c1.wrapper.o"))
+            cpp_build._build_beside(FakeBuilder("/b/c1.wrapper.so", compile_only=False))
+    with pytest.raises(ValueError, match="the kernels' own"):
+        with cpp_build.faster_package_build():
+            cpp_build._build_beside(FakeBuilder("/b/c2.wrapper.o"))
+            raise ValueError("the kernels' own error")
+    assert stopped == ["/b/c1.wrapper.o", "/b/c2.wrapper.o"]  # the second too had finished when the context left
 
 
 def test_the_key_follows_weights_shape_and_settings():

@@ -47,6 +47,7 @@ from ..base.files import cache_lock, minillm_home, one_line, remove, replace_fol
 from ..base.jsonio import write_json
 from ..base.machine import cpuinfo_field
 from ..base.manifest import file_record, files_problem, read_manifest, refresh_manifest, write_manifest
+from .cpp_build import faster_package_build
 from .huge_pages import into_huge_pages
 from .step_shapes import PagedShape, StepShape
 
@@ -285,8 +286,9 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
                                           dynamic_shapes=shape.dynamic_shapes(model.config))
         if progress:
             progress(f"{shape.name}: compiling")
-        # Each constant in a file of its own beside the library, not in the library's data section.
-        with build_settings(), config.patch({"aot_inductor.package_constants_in_so": False,
+        # Each constant in a file of its own beside the library, not in the library's data section; the C++ wrapper
+        # compiled beside the kernels (`cpp_build`).
+        with build_settings(), faster_package_build(), config.patch({"aot_inductor.package_constants_in_so": False,
                                              "aot_inductor.package_constants_on_disk_format": "pickle_weights"}):
             archive = torch._inductor.aoti_compile_and_package(program, package_path=str(built / "step.pt2"))
         with zipfile.ZipFile(archive) as unpacked:

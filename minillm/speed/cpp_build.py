@@ -1,0 +1,156 @@
+"""How a kept package's C++ is compiled: the wrapper beside the kernels, and without checks that never run.
+
+AOTInductor writes each exported step as two C++ files and compiles them one after the
+other: the wrapper (the host code that allocates buffers, fills the constants table and
+calls each kernel; 10-20 thousand lines at -O1) and the kernels (-O3), then links them.
+For the default model's decode step on two cores that is 11.6 s and then 6.0 s of g++, a
+third of the first build, on one core while the other waits. Two changes, both applied
+only inside `faster_package_build()` (the kept-graph builder's, `graph_store.build_entry`):
+
+1. The wrapper compiles in a thread of its own while the kernels and the constants
+   compile: g++ is a separate process, so two cores run both and the critical path is the
+   wrapper's alone. The link, and any other build that needs the objects, waits for it.
+2. The wrapper's per-input checks are left out. AOTInductor writes one function per input
+   (64 for the decode step: dtype, every size and stride, the device) and compiles them
+   always, but runs them only when the environment sets AOTI_RUNTIME_CHECK_INPUTS: 3 s of
+   g++ for code that never runs here. The runner passes the tensors the step was
+   exported with (`step_shapes`), so a mismatch is a bug in this package, not user input.
+
+Both are patches to torch's internals (`CppBuilder.build`, `CppWrapperCpu.
+generate_input_output_runtime_checks`), installed once and active only in the thread
+that entered the context; where torch no longer has them, nothing is patched and the
+build runs as torch wrote it. The generated code is the same either way but for the
+checks, so the kept graphs' keys do not change with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+# The empty check AOTInductor's `run_impl` still calls (its signature as torch writes it), and the switch its
+# in-line size asserts still read.
+NO_CHECKS = """
+static bool _check_aoti_runtime_check_inputs_env() {
+    const static char* env_var_value = getenv("AOTI_RUNTIME_CHECK_INPUTS");
+    const static bool result = env_var_value != nullptr && env_var_value[0] != '0';
+    return result;
+}
+
+AOTI_NOINLINE static void __check_inputs_outputs(
+    AtenTensorHandle* input_handles,
+    AtenTensorHandle* output_handles) {}
+"""
+
+_active = threading.local()  # .pending: the background wrapper compiles of this thread's build; absent outside
+_install_lock = threading.Lock()
+_originals: dict = {}  # torch's own functions, by the name of the patch that wraps them
+_tried = False
+
+
+def _install() -> None:
+    """Patch torch's C++ builder and wrapper writer once per process; a patch whose target is gone is skipped."""
+    global _tried
+    with _install_lock:
+        if _tried:
+            return
+        _tried = True
+        try:
+            from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+            from torch._inductor.cpp_builder import CppBuilder
+        except ImportError:
+            return
+        if callable(getattr(CppBuilder, "build", None)):
+            _originals["concurrent wrapper"] = CppBuilder.build
+            CppBuilder.build = _build_beside
+        if callable(getattr(CppWrapperCpu, "generate_input_output_runtime_checks", None)):
+            _originals["no input checks"] = CppWrapperCpu.generate_input_output_runtime_checks
+            CppWrapperCpu.generate_input_output_runtime_checks = _no_checks
+
+
+def _build_beside(builder) -> None:
+    """`CppBuilder.build`: inside the context, a wrapper's compile starts in the background and a link waits for it."""
+    build = _originals["concurrent wrapper"]
+    pending = getattr(_active, "pending", None)
+    if pending is None:
+        return build(builder)
+    compile_only = getattr(builder, "_compile_only", False)
+    if compile_only and str(getattr(builder, "_target_file", "")).endswith(".wrapper.o"):
+        pending.append(_Background(build, builder))
+        return None
+    if not compile_only:  # a link (or a header, or a preprocessor run) may need the objects
+        _finish(pending)
+    return build(builder)
+
+
+def _no_checks(writer) -> None:
+    """`CppWrapperCpu.generate_input_output_runtime_checks`: inside the context, the empty check."""
+    if getattr(_active, "pending", None) is None:
+        return _originals["no input checks"](writer)
+    writer.prefix.splice_aot(NO_CHECKS)
+    return None
+
+
+class _Background:
+    """One g++ run in a thread; `join` waits for it and raises its error, if it had one."""
+
+    def __init__(self, build, builder):
+        self.error: BaseException | None = None
+
+        def run():
+            try:
+                build(builder)
+            except BaseException as e:  # handed to the thread that waits for it
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="minillm-wrapper-g++", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _finish(pending: list) -> None:
+    """Wait for every background compile; the first error is raised once all have stopped."""
+    errors = []
+    while pending:
+        try:
+            pending.pop(0).join()
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def faster_package_build():
+    """Inside: this thread's AOTInductor builds compile the wrapper beside the kernels and leave out its input checks.
+
+    On leaving, every background compile has finished (on an error too: nothing keeps writing
+    into a folder the caller is about to remove)."""
+    _install()
+    if getattr(_active, "pending", None) is not None:  # nested: the outer context finishes the compiles
+        yield
+        return
+    _active.pending = []
+    try:
+        yield
+    except BaseException:
+        pending, _active.pending = _active.pending, None
+        with contextlib.suppress(BaseException):  # the body's error is the one to see
+            _finish(pending)
+        raise
+    pending, _active.pending = _active.pending, None
+    _finish(pending)
+
+
+def installed_patches() -> list[str]:
+    """Which of the two changes this torch took (empty where its internals moved and the build runs as torch wrote
+    it)."""
+    _install()
+    return list(_originals)
+
+
+__all__ = ["NO_CHECKS", "faster_package_build", "installed_patches"]
