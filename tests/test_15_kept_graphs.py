@@ -80,6 +80,11 @@ def test_compile_true_builds_a_graph_that_decodes_the_eager_tokens(built, kept_h
     assert entry.name.startswith("decode-b2-t1-s256-")
     key = json.loads((entry / graph_store.KEY_FILE).read_text())
     assert key["weights_sha256"] == graph_store.weights_digest(model) and key["torch"] == torch.__version__
+    # The model's own tensors are not written again: given from the model at load (`package_layout`).
+    shared = json.loads((entry / graph_store.SHARED).read_text())
+    files = json.loads((entry / graph_store.CONSTANTS).read_text())
+    assert shared and all(not (entry / graph_store.WEIGHTS / files[name][0]).exists() for name in shared)
+    assert shared["model.tok_emb.weight"] == "tok_emb.weight" and not list(entry.rglob("*.pt2"))
 
 
 @pytest.mark.slow

@@ -36,7 +36,6 @@ import json
 import platform
 import sys
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -49,11 +48,13 @@ from ..base.machine import cpuinfo_field
 from ..base.manifest import file_record, files_problem, read_manifest, refresh_manifest, write_manifest
 from .cpp_build import faster_package_build
 from .huge_pages import into_huge_pages
+from .package_layout import MODEL_FILES, WEIGHT_FILES, WEIGHTS_CONFIG, model_tensors, write_package
 from .step_shapes import PagedShape, StepShape
 
-PACKAGE = "package"  # the `.pt2` archive, unpacked once when built: a load then extracts nothing
-CONSTANTS = f"{PACKAGE}/step/data/aotinductor/model/weights_config.json"  # AOTInductor's: constant -> its file
-WEIGHTS = f"{PACKAGE}/step/data/weights"  # one file per constant (or per group sharing a storage)
+PACKAGE = "package"  # what AOTInductor built, laid out as its `.pt2` archive unpacks (a load extracts nothing)
+STEP = f"{PACKAGE}/step"
+CONSTANTS = f"{STEP}/{MODEL_FILES}/{WEIGHTS_CONFIG}"  # AOTInductor's: constant -> its file
+WEIGHTS = f"{STEP}/{WEIGHT_FILES}"  # one file per constant (or per group sharing a storage)
 SHARED = "shared.json"  # ours: the constants taken from the live model at load (constant -> the model's tensor)
 HASH_PIECE = 16 << 20  # bytes: the weights are hashed in pieces this size, on every core (`weights_digest`)
 KEY_FILE = "key.json"
@@ -68,7 +69,7 @@ class PackagedStep:
     """A loaded package: call it with the step's tensors in `CacheStep.forward`'s order, logits [B, K, V] back.
 
     Its constants are given to the library as tensors it does not own (`user_managed`): the
-    model's own weights where the package uses them unchanged (`share_model_weights`), and
+    model's own weights where the package uses them unchanged (`package_layout.write_package`), and
     the rest (weights Inductor re-laid out for its matmul kernels, RoPE tables) read from
     their files into huge pages (`minillm.speed.huge_pages`: a step streams them all every
     token, 9-13% faster for the int8 and Q4_1 steps than from the files' 4 KiB pages).
@@ -105,43 +106,6 @@ class PackagedStep:
         """The step's arguments in its module's order (per-layer lists as lists; a None input left out)."""
         flat = [t for arg in args if arg is not None for t in (arg if isinstance(arg, list) else [arg])]
         return self.loader.boxed_run(flat)[0]
-
-
-def model_tensors(module: torch.nn.Module, every_name: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `module`, by name; every_name: a tensor held under two names (a tied
-    embedding and output head) under both, not only the first."""
-    return {**dict(module.named_parameters(remove_duplicate=not every_name)),
-            **dict(module.named_buffers(remove_duplicate=not every_name))}
-
-
-def share_model_weights(folder: Path, model: torch.nn.Module) -> int:
-    """Delete from a built package each constant file that only repeats one of the model's own tensors; the bytes
-    deleted.
-
-    The step is traced from a copy of the model (`CacheStep.model`), so its constants are
-    named `model.<the model's name>`. Inductor re-lays out most matmul weights for its own
-    kernels (new constants) but keeps the originals too, and the embedding and norms are
-    used as they are: stored again, the package would hold the weights twice. The model is
-    loaded anyway, so what equals one of its tensors (same name, layout and bytes) is given
-    from it at load (`SHARED`), and only the re-laid-out constants stay on disk.
-    """
-    constants = json.loads((folder / CONSTANTS).read_text())
-    live, shared, users = model_tensors(model, every_name=True), {}, {}
-    for name, (file, shape, stride, offset) in constants.items():
-        users.setdefault(file, set()).add(name)
-        tensor = live.get(name.removeprefix("model."))
-        if tensor is None or list(tensor.shape) != shape or list(tensor.stride()) != stride or offset:
-            continue
-        stored = torch.load(folder / WEIGHTS / file, weights_only=True, mmap=True)
-        if stored.dtype == tensor.dtype and torch.equal(stored.as_strided(shape, stride, offset), tensor.detach()):
-            shared[name] = name.removeprefix("model.")
-    deleted = 0
-    for file, names in users.items():
-        if names <= shared.keys():
-            deleted += (folder / WEIGHTS / file).stat().st_size
-            (folder / WEIGHTS / file).unlink()
-    write_json(folder / SHARED, shared)
-    return deleted
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -272,7 +236,7 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
     """Export the step at `shape`, compile it to a package in a temporary folder, record it, rename it into place.
 
     model: the live model (its weights stay out of the package); step_module: the module traced."""
-    from torch._inductor import config
+    from torch._inductor import aot_compile
 
     built = temporary_path(folder)
     built.mkdir(parents=True)
@@ -287,14 +251,13 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
         if progress:
             progress(f"{shape.name}: compiling")
         # Each constant in a file of its own beside the library, not in the library's data section; the C++ wrapper
-        # compiled beside the kernels (`cpp_build`).
-        with build_settings(), faster_package_build(), config.patch({"aot_inductor.package_constants_in_so": False,
-                                             "aot_inductor.package_constants_on_disk_format": "pickle_weights"}):
-            archive = torch._inductor.aoti_compile_and_package(program, package_path=str(built / "step.pt2"))
-        with zipfile.ZipFile(archive) as unpacked:
-            unpacked.extractall(built / PACKAGE)
-        Path(archive).unlink()
-        share_model_weights(built, model)
+        # compiled beside the kernels (`cpp_build`); the files laid out as the loader reads them (`package_layout`).
+        settings = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
+                    "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
+        args, kwargs = program.example_inputs
+        with build_settings(), faster_package_build():
+            files = aot_compile(program.module(check_guards=False), args, kwargs, options=settings)
+        write_json(built / SHARED, write_package(files, built / STEP, model))
         write_json(built / KEY_FILE, {**key, "build_seconds": round(time.perf_counter() - start, 1)})
         write_manifest(built, file_record(built / KEY_FILE))
         replace_folder(built, folder)
@@ -303,4 +266,4 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
 
 
 __all__ = ["PackagedStep", "entry_folder", "entry_problem", "graph_key", "is_built", "load_or_build", "machine_code",
-           "model_tensors", "package_bytes", "share_model_weights", "source_digest", "weights_digest"]
+           "model_tensors", "package_bytes", "source_digest", "weights_digest"]
