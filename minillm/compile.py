@@ -83,7 +83,8 @@ def run(args) -> int:
     from .speed.load import load_model
     from .speed.step_shapes import PagedShape, StepShape
 
-    model, _ = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    # Only built, never decoded here: the model's copy into huge pages (a second on two cores) would serve nothing.
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant, defer_huge_pages=True)
     if args.serve:
         shapes = [PagedShape(args.block_size)]
     else:

@@ -10,7 +10,7 @@ measured (lesson 15 tells the numbers):
                                     re-runs freezing; frozen graphs bypass parts of the cache
     ONNX Runtime's saved graphs     loads fast, but its matmuls are the library's, not kernels
                                     generated for each weight's shape: eager speed, no better
-    AOTInductor packages (kept)     `torch.export` gives one graph, `aoti_compile_and_package`
+    AOTInductor packages (kept)     `torch.export` gives one graph, AOTInductor (`aot_compile`)
                                     turns it into a shared library plus its constants (the
                                     weights, prepacked for the generated matmul kernels); a
                                     later process loads it and calls it: no tracing, no
