@@ -4,7 +4,7 @@
 library, its sources and metadata, and every constant) into one `.pt2` zip archive; the
 kept-graph cache used to write it, unpack it to a folder (the loader then extracts nothing
 at each load) and delete the constants that only repeat the model's own tensors. For the
-default model that wrote 1.1 GB twice to keep half of it once: 4.8 s of a 50 s build.
+default model that wrote 1.1 GB twice to keep half of it once: 5.2 s of a 50 s build.
 Here the files go straight into the folder layout the archive would unpack to (2.0 s):
 
     step/data/aotinductor/model/   the library, its sources, its metadata, weights_config.json
