@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -155,6 +156,35 @@ def test_each_choice_of_matmul_kernels_runs_what_it_names(matmuls):
     assert {"library": (True, False), "generated": (False, True)}.get(matmuls, (library, not library)) == (
         library, generated)
     torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_template_index_texts_are_parsed_once_to_the_same_expressions():
+    """Inside the compile settings the matmul template's index parser is the kept one: each distinct text is parsed by
+    Inductor's own parser once, and every answer (texts, numbers, lists of them, expressions passed through) equals
+    what Inductor's parser gives."""
+    import sympy
+    import torch._inductor.select_algorithm  # noqa: F401  (imported before the template kernel's module, as torch does)
+    from torch._inductor.codegen import cpp_template_kernel
+
+    from minillm.speed.inductor import index_texts_parsed_once
+
+    original = cpp_template_kernel.parse_expr_with_index_symbols
+    texts = ["m_start", "n_end - n_start", "m_start + 32*k", "m_start", 16, ["n_start", "n_end - n_start"]]
+    expected = [original(t) for t in texts]
+    m = sympy.Symbol("m_start", integer=True)
+    parses = []
+
+    def counted(expression):
+        parses.append(expression)
+        return original(expression)
+
+    with mock.patch.object(cpp_template_kernel, "parse_expr_with_index_symbols", counted), index_texts_parsed_once():
+        kept = cpp_template_kernel.parse_expr_with_index_symbols
+        assert kept is not counted
+        assert [kept(t) for t in texts] == expected and [kept(t) for t in texts] == expected
+        assert kept(m) is m
+    assert sorted(map(str, parses)) == ["16", "m_start", "m_start + 32*k", "n_end - n_start", "n_start"]
+    assert cpp_template_kernel.parse_expr_with_index_symbols is original
 
 
 def test_context_buckets_are_few_and_hold_the_run():
