@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import itertools
 import warnings
 from unittest import mock
@@ -120,14 +121,8 @@ def templates_compiled_once():
     it is kept, keyed by its source, while the compile runs. Without Inductor's template
     class (another torch) nothing is patched.
     """
-    try:
-        from torch._inductor.codegen.common import KernelTemplate
-    except ImportError:
-        return contextlib.nullcontext()
-    parse = getattr(KernelTemplate, "_template_from_string", None)
-    if parse is None:
-        return contextlib.nullcontext()
-    return mock.patch.object(KernelTemplate, "_template_from_string", staticmethod(_parsed_once(parse)))
+    return _replaced("torch._inductor.codegen.common", "KernelTemplate", "_template_from_string",
+                     lambda parse: staticmethod(_parsed_once(parse)))
 
 
 @functools.cache
@@ -149,15 +144,23 @@ def index_texts_parsed_once():
     (the files, named by their content's hash, keep their names). Without the template's module
     (another torch) nothing is patched.
     """
+    return _replaced("torch._inductor.codegen.cpp_template_kernel", None, "parse_expr_with_index_symbols",
+                     _index_parser)
+
+
+def _replaced(module: str, owner: str | None, name: str, replacement):
+    """A context that sets `module.owner.name` (or `module.name`) to `replacement(what it was)`; where torch has no such
+    thing, a context that changes nothing."""
     try:
-        import torch._inductor.select_algorithm  # noqa: F401  (the template kernel's module imports it first)
-        from torch._inductor.codegen import cpp_template_kernel
+        importlib.import_module("torch._inductor.select_algorithm")  # first: the template modules import it circularly
+        target = importlib.import_module(module)
     except ImportError:
         return contextlib.nullcontext()
-    parse = getattr(cpp_template_kernel, "parse_expr_with_index_symbols", None)
-    if parse is None:
+    target = getattr(target, owner, None) if owner else target
+    original = getattr(target, name, None)
+    if original is None:
         return contextlib.nullcontext()
-    return mock.patch.object(cpp_template_kernel, "parse_expr_with_index_symbols", _index_parser(parse))
+    return mock.patch.object(target, name, replacement(original))
 
 
 @functools.cache
