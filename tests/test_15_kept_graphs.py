@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.cpp_builder import CppBuilder
 
 from minillm.model.attention import set_attention_backend
 from minillm.model.tiny import tiny_pair
@@ -187,7 +188,13 @@ class FakeBuilder:
 
 
 def test_the_pinned_torch_takes_both_build_patches():
-    assert cpp_build.installed_patches() == ["concurrent wrapper", "no input checks"]
+    """Both patches take on the pinned torch while the context is open, and are undone when it closes."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    build, checks = CppBuilder.build, CppWrapperCpu.generate_input_output_runtime_checks
+    with cpp_build.faster_package_build():
+        assert CppBuilder.build is not build and CppWrapperCpu.generate_input_output_runtime_checks is not checks
+    assert CppBuilder.build is build and CppWrapperCpu.generate_input_output_runtime_checks is checks
 
 
 def test_a_link_waits_for_the_wrapper_that_compiles_beside_the_kernels(monkeypatch):
@@ -204,16 +211,15 @@ def test_a_link_waits_for_the_wrapper_that_compiles_beside_the_kernels(monkeypat
             kernels_started.set()
         events.append(name)
 
-    cpp_build.installed_patches()
-    monkeypatch.setitem(cpp_build._originals, "concurrent wrapper", build)
+    monkeypatch.setattr(CppBuilder, "build", build)  # torch's, as the context finds it
     with cpp_build.faster_package_build():
-        cpp_build._build_beside(FakeBuilder("/b/c1.wrapper.o"))
-        cpp_build._build_beside(FakeBuilder("/b/c2.kernel.o"))
-        cpp_build._build_beside(FakeBuilder("/b/c1.wrapper.so", compile_only=False))
+        CppBuilder.build(FakeBuilder("/b/c1.wrapper.o"))
+        CppBuilder.build(FakeBuilder("/b/c2.kernel.o"))
+        CppBuilder.build(FakeBuilder("/b/c1.wrapper.so", compile_only=False))
     assert events == ["c2.kernel.o", ("wrapper waited for the kernels", True), "c1.wrapper.o", "c1.wrapper.so"]
     events.clear()
     kernels_started.clear()
-    cpp_build._build_beside(FakeBuilder("/b/c3.kernel.o"))  # outside: in order, in this thread
+    CppBuilder.build(FakeBuilder("/b/c3.kernel.o"))  # outside: in order, in this thread
     assert events == ["c3.kernel.o"]
 
 
@@ -228,15 +234,14 @@ def test_a_failed_wrapper_compile_fails_the_build(monkeypatch):
             stopped.append(builder._target_file)
             raise RuntimeError("g++: wrapper.cpp:1: error")
 
-    cpp_build.installed_patches()
-    monkeypatch.setitem(cpp_build._originals, "concurrent wrapper", build)
+    monkeypatch.setattr(CppBuilder, "build", build)  # torch's, as the context finds it
     with pytest.raises(RuntimeError, match="wrapper.cpp:1"):
         with cpp_build.faster_package_build():
-            cpp_build._build_beside(FakeBuilder("/b/c1.wrapper.o"))
-            cpp_build._build_beside(FakeBuilder("/b/c1.wrapper.so", compile_only=False))
+            CppBuilder.build(FakeBuilder("/b/c1.wrapper.o"))
+            CppBuilder.build(FakeBuilder("/b/c1.wrapper.so", compile_only=False))
     with pytest.raises(ValueError, match="the kernels' own"):
         with cpp_build.faster_package_build():
-            cpp_build._build_beside(FakeBuilder("/b/c2.wrapper.o"))
+            CppBuilder.build(FakeBuilder("/b/c2.wrapper.o"))
             raise ValueError("the kernels' own error")
     assert stopped == ["/b/c1.wrapper.o", "/b/c2.wrapper.o"]  # the second too had finished when the context left
 

@@ -18,16 +18,19 @@ applied only inside `faster_package_build()` (the kept-graph builder's,
    exported with (`step_shapes`), so a mismatch is a bug in this package, not user input.
 
 Both are patches to torch's internals (`CppBuilder.build`, `CppWrapperCpu.
-generate_input_output_runtime_checks`), installed once and active only in the thread
-that entered the context; where torch no longer has them, nothing is patched and the
-build runs as torch wrote it. A package runs the same either way (the checks never run),
-so whether the patches took is not part of a kept graph's key.
+generate_input_output_runtime_checks`), made while the context is open and undone when it
+closes, as `inductor_settings` patches Inductor's templates (`inductor.torch_patch`); where
+torch no longer has them, nothing is patched and the build runs as torch wrote it. A package
+runs the same either way (the checks never run), so whether they took is not part of a
+kept graph's key.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+
+from .inductor import torch_patch
 
 # The empty check AOTInductor's `run_impl` still calls (its signature as torch writes it), and the switch its
 # in-line size asserts still read.
@@ -42,54 +45,6 @@ AOTI_NOINLINE static void __check_inputs_outputs(
     AtenTensorHandle* input_handles,
     AtenTensorHandle* output_handles) {}
 """
-
-_active = threading.local()  # .pending: the background wrapper compiles of this thread's build; absent outside
-_install_lock = threading.Lock()
-_originals: dict = {}  # torch's own functions, by the name of the patch that wraps them
-_tried = False
-
-
-def _install() -> None:
-    """Patch torch's C++ builder and wrapper writer once per process; a patch whose target is gone is skipped."""
-    global _tried
-    with _install_lock:
-        if _tried:
-            return
-        _tried = True
-        try:
-            from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
-            from torch._inductor.cpp_builder import CppBuilder
-        except ImportError:
-            return
-        if callable(getattr(CppBuilder, "build", None)):
-            _originals["concurrent wrapper"] = CppBuilder.build
-            CppBuilder.build = _build_beside
-        if callable(getattr(CppWrapperCpu, "generate_input_output_runtime_checks", None)):
-            _originals["no input checks"] = CppWrapperCpu.generate_input_output_runtime_checks
-            CppWrapperCpu.generate_input_output_runtime_checks = _no_checks
-
-
-def _build_beside(builder) -> None:
-    """`CppBuilder.build`: inside the context, a wrapper's compile starts in the background and a link waits for it."""
-    build = _originals["concurrent wrapper"]
-    pending = getattr(_active, "pending", None)
-    if pending is None:
-        return build(builder)
-    compile_only = getattr(builder, "_compile_only", False)
-    if compile_only and str(getattr(builder, "_target_file", "")).endswith(".wrapper.o"):
-        pending.append(_Background(build, builder))
-        return None
-    if not compile_only:  # a link (or a header, or a preprocessor run) may need the objects
-        _finish(pending)
-    return build(builder)
-
-
-def _no_checks(writer) -> None:
-    """`CppWrapperCpu.generate_input_output_runtime_checks`: inside the context, the empty check."""
-    if getattr(_active, "pending", None) is None:
-        return _originals["no input checks"](writer)
-    writer.prefix.splice_aot(NO_CHECKS)
-    return None
 
 
 class _Background:
@@ -127,31 +82,37 @@ def _finish(pending: list) -> None:
 
 @contextlib.contextmanager
 def faster_package_build():
-    """Inside: this thread's AOTInductor builds compile the wrapper beside the kernels and leave out its input checks.
+    """Inside: AOTInductor's builds compile the wrapper beside the kernels and leave out its input checks.
 
     On leaving, every background compile has finished (on an error too: nothing keeps writing
     into a folder the caller is about to remove)."""
-    _install()
-    if getattr(_active, "pending", None) is not None:  # nested: the outer context finishes the compiles
-        yield
-        return
-    _active.pending = []
+    pending: list[_Background] = []  # the wrapper compiles running in the background
+
+    def beside(build):
+        def build_beside(builder) -> None:  # `CppBuilder.build`
+            compile_only = getattr(builder, "_compile_only", False)
+            if compile_only and str(getattr(builder, "_target_file", "")).endswith(".wrapper.o"):
+                pending.append(_Background(build, builder))
+                return None
+            if not compile_only:  # a link (or a header, or a preprocessor run) may need the objects
+                _finish(pending)
+            return build(builder)
+
+        return build_beside
+
+    def without_checks(_checks):
+        return lambda writer: writer.prefix.splice_aot(NO_CHECKS)  # `generate_input_output_runtime_checks`
+
     try:
-        yield
+        with (torch_patch("torch._inductor.cpp_builder", "CppBuilder", "build", beside),
+              torch_patch("torch._inductor.codegen.cpp_wrapper_cpu", "CppWrapperCpu",
+                          "generate_input_output_runtime_checks", without_checks)):
+            yield
     except BaseException:
-        pending, _active.pending = _active.pending, None
         with contextlib.suppress(BaseException):  # the body's error is the one to see
             _finish(pending)
         raise
-    pending, _active.pending = _active.pending, None
     _finish(pending)
 
 
-def installed_patches() -> list[str]:
-    """Which of the two changes this torch took (empty where its internals moved and the build runs as torch wrote
-    it)."""
-    _install()
-    return list(_originals)
-
-
-__all__ = ["NO_CHECKS", "faster_package_build", "installed_patches"]
+__all__ = ["NO_CHECKS", "faster_package_build"]

@@ -121,7 +121,7 @@ def templates_compiled_once():
     it is kept, keyed by its source, while the compile runs. Without Inductor's template
     class (another torch) nothing is patched.
     """
-    return _replaced("torch._inductor.codegen.common", "KernelTemplate", "_template_from_string",
+    return torch_patch("torch._inductor.codegen.common", "KernelTemplate", "_template_from_string",
                      lambda parse: staticmethod(_parsed_once(parse)))
 
 
@@ -144,11 +144,11 @@ def index_texts_parsed_once():
     (the files, named by their content's hash, keep their names). Without the template's module
     (another torch) nothing is patched.
     """
-    return _replaced("torch._inductor.codegen.cpp_template_kernel", None, "parse_expr_with_index_symbols",
+    return torch_patch("torch._inductor.codegen.cpp_template_kernel", None, "parse_expr_with_index_symbols",
                      _index_parser)
 
 
-def _replaced(module: str, owner: str | None, name: str, replacement):
+def torch_patch(module: str, owner: str | None, name: str, replacement):
     """A context that sets `module.owner.name` (or `module.name`) to `replacement(what it was)`; where torch has no such
     thing, a context that changes nothing."""
     try:
@@ -181,4 +181,4 @@ def _index_parser(parse):
 
 
 __all__ = ["GENERATED_MIN_ELEMENTS", "MATMUL_KERNELS", "check_matmul_kernels", "index_texts_parsed_once",
-           "inductor_settings", "matmul_kernels", "templates_compiled_once"]
+           "inductor_settings", "matmul_kernels", "templates_compiled_once", "torch_patch"]
