@@ -266,4 +266,4 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
 
 
 __all__ = ["PackagedStep", "entry_folder", "entry_problem", "graph_key", "is_built", "load_or_build", "machine_code",
-           "model_tensors", "package_bytes", "source_digest", "weights_digest"]
+           "package_bytes", "source_digest", "weights_digest"]
