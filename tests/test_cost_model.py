@@ -1,4 +1,4 @@
-"""The course's cost model (minillm/bench/cost.py; lesson 05's last section): exact counts, and the bands it states.
+"""The course's cost model (minillm/costmodel/; lessons/cost-model/README.md): exact counts, and the bands it states.
 
 The counts are checked exactly against independent computations (the model's own
 `num_weight_bytes`, the dispatcher's op count, an enumeration of acceptance patterns). The
@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from minillm.bench.cost import (
+from minillm.bench.cost import results_machine
+from minillm.bench.predictions import LESSONS, comparisons, other_machine
+from minillm.cache.kv_cache import StaticCache
+from minillm.costmodel.model import (
     SMOLLM2_135M,
     Step,
-    count_ops,
     decode_step,
     eager_ops,
     forward_flops,
@@ -29,11 +30,9 @@ from minillm.bench.cost import (
     matmul_flops,
     packed_step,
     predict,
-    results_machine,
     weight_bytes,
 )
-from minillm.bench.predictions import LESSONS, comparisons, other_machine
-from minillm.cache.kv_cache import StaticCache
+from minillm.costmodel.probes import count_ops
 from minillm.model.tiny import TINY_KINDS, tiny_pair
 from minillm.strategies.acceptance import expected_tokens_per_round
 
@@ -138,7 +137,7 @@ def test_op_count_of_a_packed_engine_step_is_what_the_dispatcher_sees():
 
 
 def test_predict_is_the_roofline_plus_overhead():
-    from minillm.bench.cost import Machine
+    from minillm.costmodel.model import Machine
 
     machine = Machine(bandwidth=10.0, peak_flops=100.0, op_seconds=0.5, sync_seconds=2.0)
     assert predict(Step(weight_bytes=30, kv_bytes=10, flops=200, ops=2, syncs=1), machine) == 4.0 + 1.0 + 2.0
@@ -214,17 +213,14 @@ def test_no_round_keeps_more_than_its_draft_says():
                 expected_tokens_per_round(one["acceptance_rate"], 1), rel=0.02)
 
 
-def test_lesson_05_states_the_bands_the_lessons_are_checked_against():
-    """Lesson 05's table of bands is typed prose: it must say exactly the bands `minillm.bench.predictions` checks."""
-    readme = (Path(__file__).resolve().parent.parent / "lessons" / "05-precision" / "README.md").read_text()
-    stated = set()
-    for lesson, claim in re.findall(r"^\| (\d\d) \| [^|]+ \| ([^|]+) \|$", readme, flags=re.M):
-        if span := re.match(r"(\d+(?:\.\d+)?)-(\d+(?:\.\d+)?)", claim):
-            stated.add((lesson, (float(span[1]), float(span[2]))))
-        elif within := re.match(r"within (\d+)%", claim):
-            stated.add((lesson, (1 / (1 + int(within[1]) / 100), 1 + int(within[1]) / 100)))
-        elif claim.startswith("at least E"):
-            stated.add((lesson, (1.0, math.inf)))
-    checked = {(lesson, row.band) for lesson in LESSONS for row in comparisons(lesson)}
-    assert {(lesson, tuple(round(b, 4) for b in band)) for lesson, band in checked} == \
-        {(lesson, tuple(round(b, 4) for b in band)) for lesson, band in stated}
+def test_the_cost_model_page_lists_the_lessons_it_checks():
+    """lessons/cost-model/README.md lists, one table row each, exactly the lessons the forecast has rows for
+    (`minillm.bench.predict`), and states no band in them: the one band lives in the code and the forecast."""
+    from minillm.bench.predict import forecasts
+    from minillm.costmodel.model import Machine
+
+    page = (Path(__file__).resolve().parent.parent / "lessons" / "cost-model" / "README.md").read_text()
+    rows = re.findall(r"^\| (\d\d) \| ([^|]+) \|$", page, flags=re.M)
+    lessons = {row["lesson"] for row in forecasts(Machine(30e9, 300e9, 2e-6, 0.2e-6))}
+    assert sorted(lesson for lesson, _ in rows) == sorted(lessons)
+    assert [what for _, what in rows if re.search(r"\d(?:\.\d+)?\s?-\s?\d", what)] == []

@@ -40,6 +40,7 @@ LAYERS = {
     "runtime": {"runtime"},
     "strategies": {"strategies"},
     "serving": {"serving"},
+    "cost model": {"costmodel"},
     "front ends": {"infer", "serve", "export", "compile", "bench", "__main__", "__init__"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
@@ -95,6 +96,50 @@ def test_no_import_cycles():
         state[node] = "done"
 
     for module in graph:
+        visit(module, [])
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every module of the package (dotted, 'bench.report') -> the package's modules it imports, deferred
+    imports inside functions included ('from . import x' names module x where x is one)."""
+    modules = {".".join(p.relative_to(PACKAGE).with_suffix("").parts): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")[:-1]
+        targets = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+            elif (node.module or "").startswith("minillm."):
+                base = []
+            else:
+                continue
+            stem = ".".join(base + (node.module.split(".") if node.module else [])).removeprefix("minillm.")
+            for alias in node.names:
+                for target in (f"{stem}.{alias.name}".strip("."), stem, f"{stem}.__init__".strip(".")):
+                    if target in modules and target != name:
+                        targets.add(target)
+                        break
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    """Within a subpackage too: a cycle of modules (bench's cli -> report -> sections -> cost -> cli was one)
+    means no file of it can be read, or imported, on its own."""
+    graph, state = module_imports(), {}
+
+    def visit(node, path):
+        if state.get(node) == "done":
+            return
+        assert state.get(node) != "active", f"import cycle: {' -> '.join(path + [node])}"
+        state[node] = "active"
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        state[node] = "done"
+
+    for module in sorted(graph):
         visit(module, [])
 
 

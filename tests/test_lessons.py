@@ -192,8 +192,18 @@ def test_a_stale_stored_number_fails_the_notebook_run(run_notebook, tmp_path):
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
 def test_notebook_states_what_it_needs_and_how_long_it_runs(notebook):
-    first = "".join(json.loads(notebook.read_text())["cells"][0]["source"])
+    """On top: what it needs, and how long it runs, its stored run's time being the one its cells' timestamps
+    give (`python notebooks/run.py` writes it)."""
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    from run import stored_run_seconds
+
+    stored = json.loads(notebook.read_text())
+    first = "".join(stored["cells"][0]["source"])
     assert "**Needs:**" in first and "**Runs in:**" in first, f"{notebook.name}: state needs and run time on top"
+    stated = re.search(r"Its stored run's cells took (\d+) s\.", first)
+    assert stated and int(stated[1]) == stored_run_seconds(stored), (
+        f"{notebook.name}: its first cell must state the stored run's time its cells' timestamps give "
+        f"({stored_run_seconds(stored)} s): run it with `python notebooks/run.py`")
 
 
 # --- Exercises: listed alike, checked, answered. ----------------------------------------------------------------------

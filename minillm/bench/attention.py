@@ -35,9 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from tqdm.auto import tqdm
 
+from ..costmodel.probes import synchronize
 from ..model.attention import AttentionStep, SDPABackend
 from ..speed.attention_kernels import flash_attention, naive_attention
-from .common import alternate, finish_figure, median, plot_title, spread_band, synchronize
+from .common import alternate, finish_figure, median, plot_title, spread_band
 
 CONTENDERS = ("naive", "flash", "sdpa")
 COLORS = {"naive": "tab:red", "flash": "tab:blue", "sdpa": "tab:gray"}

@@ -26,12 +26,15 @@ import time
 
 import torch
 
+from ..costmodel.probes import synchronize
 from ..runtime.batching import pad_left, padding_share
 from ..strategies.generate import generate
-from .common import alternate, median, plot_title, save_png, spread_band, synchronize
+from .common import alternate, median, plot_title, save_png, spread_band
 
 # A mix of prompt lengths (tokens), cycled to fill each batch: mean ~30, longest 64.
 PROMPT_LENGTHS = [9, 57, 21, 40, 14, 33, 5, 64]
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # a full run's (--quick: up to 8)
+NEW_TOKENS = 32  # a full run's new tokens per row (--quick: 8)
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a wooden screw press adapted from those used for wine. Within fifty "
         "years presses were running in more than two hundred European cities, books became cheap, and the way "
@@ -107,8 +110,8 @@ def run(args) -> dict:
     from ..model.loading import resolve_checkpoint_folder
     from ..speed.load import load_model
 
-    batch_sizes = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32]
-    new_tokens = 8 if args.quick else 32
+    batch_sizes = [1, 2, 4, 8] if args.quick else list(BATCH_SIZES)
+    new_tokens = 8 if args.quick else NEW_TOKENS
     repeats = 1 if args.quick else args.repeats
     model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
     hf_model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint_folder(args.model),

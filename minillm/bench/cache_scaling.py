@@ -23,12 +23,14 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ..costmodel.probes import measure_memory_bandwidth, synchronize
 from ..decoding.sampling import SamplingConfig
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from .batch import TEXT
-from .common import alternate, finish_figure, measure_memory_bandwidth, median, plot_title, spread_band, synchronize
+from .common import alternate, finish_figure, median, plot_title, spread_band
 
+LENGTHS = (64, 128, 256, 512, 768, 1024)  # context lengths of a full run (--quick: 32-256)
 CONTENDERS = {"static": "static cache", "dynamic": "dynamic cache", "none": "no cache"}
 
 
@@ -61,7 +63,7 @@ def next_token_step(runner: ModelRunner, seq: Sequence, device):
 def run(args) -> dict:
     from ..speed.load import load_model
 
-    lengths = [32, 64, 128, 256] if args.quick else [64, 128, 256, 512, 768, 1024]
+    lengths = [32, 64, 128, 256] if args.quick else list(LENGTHS)
     repeats = 3 if args.quick else max(args.repeats, 5)
     model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
     ids = tokenizer.encode(TEXT * (1 + max(lengths) // 64))

@@ -9,12 +9,12 @@ the machine named. Each suite writes `results/<suite>.json` and
 `results/<suite>.png`; every JSON records the git commit it measured (and whether
 minillm/ had uncommitted changes), so a figure can always be traced to its code.
 
-`python -m minillm.bench report` turns results/*.json into the README's measured
+`python -m minillm.bench report` turns results/*.json into results/README.md's measured
 figures (`minillm.bench.report`): they are generated, never typed.
 
 A suite is a module in `minillm.bench` with
     run(args) -> dict        # the measurements (JSON-serialisable)
-    plot(data, path) -> None # one PNG
+    plot(data, path) -> None # one PNG (`predict`, whose rows are drawn beside their measurements, has none)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..base.commands import run_command
 from ..base.jsonio import write_json
-from .common import README, REPO, RESULTS, SUITES, machine_info
+from .common import REPO, RESULTS, SUITES, machine_info
 
 
 def git_stamp(repo: Path = REPO) -> dict | None:
@@ -71,6 +71,7 @@ def draft_lengths(text: str) -> tuple[int, ...]:
 
 
 EXAMPLES = """examples:
+  python -m minillm.bench predict                # first: the cost model's forecasts, from probes alone
   python -m minillm.bench decode --repeats 5     # measure, write results/decode.json and .png
   python -m minillm.bench speculative --ks 1,4   # fewer draft lengths: a shorter run
   python -m minillm.bench decode --quick --out /tmp/bench
@@ -119,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="the commit to compare this checkout with (a hash, tag or branch); both run "
                                  "alternately, each measurement in its own process")
     report = p.add_argument_group("report only")
-    report.add_argument("--readme", type=Path, default=README,
-                        help="the Markdown file whose generated section to rewrite (default: README.md)")
+    report.add_argument("--readme", type=Path, default=RESULTS / "README.md",
+                        help="the Markdown file whose generated section to rewrite, beside the lessons' "
+                             "(default: results/README.md)")
     report.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 and show the difference if the README is out of date")
     report.add_argument("--plots", action="store_true",
@@ -166,6 +168,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[st
     data = module.run(args)
     data = {"suite": args.suite, "machine": machine_info(args.device), **stamp, **data}
     json_path = write_results(args.suite, data, args.out)
+    if not hasattr(module, "plot"):  # `predict`: its figures are drawn beside their measurements
+        print(f"wrote {json_path}")
+        return 0
     png_path = args.out / f"{args.suite}.png"
     module.plot(data, png_path)
     print(f"wrote {json_path} and {png_path}")

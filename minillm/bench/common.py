@@ -18,9 +18,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..base.machine import cpuinfo_field
-from ..speed.huge_pages import into_huge_pages
 
 SUITES = {
+    "predict": "minillm.bench.predict",  # first: the forecasts, before the suites below measure them
     "decode": "minillm.bench.decode",
     "cache-scaling": "minillm.bench.cache_scaling",
     "batch": "minillm.bench.batch",
@@ -37,7 +37,6 @@ SUITES = {
 }
 REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS = REPO / "results"
-README = REPO / "README.md"
 COMPILED_SUFFIX = ", compiled"  # a contender run compiled (lesson 15): its eager variant's name + this
 # Instruction-set extensions that decide which kernels a CPU can run (x86 `flags`, Arm `Features`).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8",
@@ -165,50 +164,6 @@ def finish_figure(fig, path=None):
         save_png(fig, path)
         plt.close(fig)
     return fig
-
-
-def synchronize(device) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def bandwidth_probe(gib: float = 1.0, passes: int = 3, device: str = "cpu"):
-    """A run for `alternate`: the seconds of the fastest of `passes` torch.sum calls over `gib` GiB.
-
-    Read bandwidth is `probe.bytes / seconds`. Sampled between the contenders of one
-    alternating run, it is the bandwidth the memory system offered while they ran: on a
-    shared VM that drifts with the neighbours' load (we saw 35-69 GB/s), and a roofline
-    measured at another moment would credit or blame the contenders for the drift.
-    On a CPU the tensor sits in huge pages, where `load_model` places the weights
-    (`minillm.speed.huge_pages`): the ceiling is measured on the pages they are read from.
-    """
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
-    if x.device.type == "cpu":
-        x = into_huge_pages([x])[0]
-
-    def run() -> float:
-        times = []
-        for _ in range(passes):
-            synchronize(device)
-            t = time.perf_counter()
-            x.sum()
-            synchronize(device)
-            times.append(time.perf_counter() - t)
-        return min(times)
-    run.bytes = x.numel() * 4
-    return run
-
-
-def measure_memory_bandwidth(gib: float = 1.0, repeats: int = 10, device: str = "cpu") -> float:
-    """Peak read bandwidth in bytes/s: the fastest of `repeats` torch.sum calls over `gib` GiB.
-
-    A roofline asks what the memory system can deliver at best, so this takes the
-    fastest pass rather than the median: on a shared VM the median swings with the
-    neighbours' load, while the best pass is steadier (`bandwidth_probe` samples it
-    during a run instead).
-    """
-    probe = bandwidth_probe(gib, repeats + 1, device)  # the first pass faults the pages in; the minimum skips it
-    return probe.bytes / probe()
 
 
 def alternate(contenders: dict, repeats: int = 3, warmup: int = 1,

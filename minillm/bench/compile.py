@@ -31,15 +31,19 @@ import time
 
 import torch
 
+from ..costmodel.probes import bandwidth_probe
 from ..speed.compile import compile_model
 from ..speed.export import export_onnx
 from ..speed.onnx_model import OnnxModel
 from ..speed.step_shapes import StepShape
 from ..strategies.generate import generate
 from .batch import TEXT
-from .common import alternate, bandwidth_probe, finish_figure, median, plot_title, spread
+from .common import alternate, finish_figure, median, plot_title, spread
 from .decode import TokenClock
 from .llama_cpp import LlamaCpp, gguf_as, missing_reason
+
+FULL = (64, 128, 192)  # a full run's prompt tokens, new tokens, and the prefill's prompt (--quick: 16, 16, 64)
+CONTEXT = 256  # the compiled step's cache length
 
 
 def minillm_run(model, prompt, new_tokens, record, compile: bool):
@@ -124,8 +128,8 @@ def run(args) -> dict:
     from ..speed.load import load_model
 
     quick = args.quick
-    prompt_tokens, new_tokens, prefill_tokens = (16, 16, 64) if quick else (64, 128, 192)
-    context, chunk = 256, 64
+    prompt_tokens, new_tokens, prefill_tokens = (16, 16, 64) if quick else FULL
+    context, chunk = CONTEXT, 64
     repeats = 1 if quick else args.repeats
     dtypes = ("float32",) if quick else ("float32", "bfloat16")
     folder = resolve_checkpoint_folder(args.model)

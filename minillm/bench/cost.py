@@ -1,296 +1,19 @@
-"""One cost model for the course: a step's time from bytes, flops, op dispatches and host syncs.
+"""`python -m minillm.bench.cost`: the cost model's machine constants, measured by its probes, into results/cost.json.
 
-    predict(step) = max(bytes / bandwidth, flops / peak_flops) + ops * op_seconds + syncs * sync_seconds
-
-The first term is the roofline: a step cannot finish before the machine has read what it
-reads (weights, KV cache, activations) or done its arithmetic, whichever takes longer. The
-rest is overhead the roofline does not see: every eager PyTorch op is a Python call and a
-dispatch (a kernel launch on a GPU), and every `.item()` waits for the device. The machine's
-four constants are measured by the small probes below (`measure_machine`); the step's counts
-come from the model's config by formula (`decode_step`), and `count_ops` checks the op count
-against what PyTorch really dispatches. The model predicts what a step *should* cost; where a
-measurement is slower, the gap is kernels running below the machine's peak (lesson 05's
-cost-model section shows where, lesson 15 removes most of it).
-
-`python -m minillm.bench.cost` measures the constants and writes `results/cost.json`, stamped
-like the suites' results.
+The model and the probes live in `minillm.costmodel` (lessons and benchmarks both import them); this runner
+stamps the constants like every suite's results, and `results_machine` reads back the constants of the
+machine that wrote results/.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import time
-from collections import Counter
-from dataclasses import dataclass, replace
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from ..costmodel.model import SMOLLM2_135M, Machine, forward_flops
+from ..costmodel.probes import measure_machine
 from ..model.config import ModelConfig
-from ..strategies.acceptance import expected_tokens_per_round
-from .common import RESULTS, machine_info, measure_memory_bandwidth
-
-# aten ops one decode step dispatches (T = 1, a static cache), by part of the model: read off the code
-# (`model/transformer.py`, `norms.py`, `rope.py`) and checked against a real count by tests/test_cost_model.py.
-NORM_OPS = {"layernorm": 5, "rmsnorm": 8, "gemma_rmsnorm": 9}  # casts to float32 and back, the statistics
-ATTENTION_OPS = 19  # qkv and out projections, views, transposes, the cache's two copies, SDPA
-ROPE_OPS = 6  # rotate q and k together: two slices, a cat, two muls, an add
-GQA_FOLD_OPS = 2  # one query, n_head > n_kv_head: fold the query heads onto their KV head and back
-MLP_OPS = {"gated": 5, "plain": 3}  # two matmuls, the activation (and chunk, product when gated)
-FORWARD_OPS = 7  # two constants, the token embedding, the LM head, the float32 cast of the logits ...
-ROPE_TABLE_OPS = 6  # ... the RoPE table look-up (the max position: one host sync, the two gathers)
-LEARNED_POSITION_OPS = 2  # ... or GPT-2's position embedding and its add
-# A continuous-batching step over the paged pool (lesson 12, `cache/paged.py`), on top of the plain ops; counted
-# with grouped-query heads (as SmolLM2 has) and checked against the dispatcher by tests/test_cost_model.py:
-PACKED_LAYER_OPS = 8  # per layer: the new keys written into their slots, the output buffer
-PACKED_DECODE_OPS = 18  # per layer, once for all one-token rows: their blocks gathered, masked, one batched SDPA
-PACKED_CHUNK_OPS = 16  # per layer and prompt chunk: its blocks gathered, the KV heads repeated, its causal SDPA
-PACKED_FORWARD_OPS = 3  # once per step: the packed positions and the rows whose logits are kept
-# The default model (SmolLM2-135M-Instruct), written out so a prediction needs no weights.
-SMOLLM2_135M = ModelConfig(vocab_size=49152, context_length=8192, n_layer=30, n_head=9, n_kv_head=3, d_model=576,
-                           d_ff=1536, norm="rmsnorm", positions="rope", rope_theta=100000.0, mlp="swiglu", bias=False,
-                           qkv_bias=False)
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What a machine can do: read bandwidth (bytes/s), peak arithmetic (flop/s), cost of an op and of a sync."""
-
-    bandwidth: float
-    peak_flops: float
-    op_seconds: float
-    sync_seconds: float
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one forward costs in counts; `tokens` is how many tokens it yields (for tokens/s)."""
-
-    weight_bytes: float
-    kv_bytes: float = 0.0
-    activation_bytes: float = 0.0
-    flops: float = 0.0
-    ops: int = 0
-    syncs: int = 0
-    tokens: float = 1.0
-
-    @property
-    def bytes(self) -> float:
-        return self.weight_bytes + self.kv_bytes + self.activation_bytes
-
-
-def roofline_seconds(step: Step, machine: Machine) -> float:
-    """The time the bytes or the flops need at the machine's peak, whichever is longer."""
-    return max(step.bytes / machine.bandwidth, step.flops / machine.peak_flops)
-
-
-def predict(step: Step, machine: Machine) -> float:
-    """Seconds for the step: the roofline plus the overhead of its ops and syncs."""
-    return roofline_seconds(step, machine) + step.ops * machine.op_seconds + step.syncs * machine.sync_seconds
-
-
-def tokens_per_second(step: Step, machine: Machine) -> float:
-    return step.tokens / predict(step, machine)
-
-
-def bound(step: Step, machine: Machine) -> str:
-    """Which term dominates: 'memory', 'compute' or 'overhead'."""
-    terms = {"memory": step.bytes / machine.bandwidth, "compute": step.flops / machine.peak_flops,
-             "overhead": step.ops * machine.op_seconds + step.syncs * machine.sync_seconds}
-    return max(terms, key=terms.get)
-
-
-# --- Counts from the config. -------------------------------------------------------------------------------------
-
-
-def matmul_flops(m: int, k: int, n: int) -> int:
-    """[m, k] @ [k, n]: m * n dot products of length k, a multiply and an add each."""
-    return 2 * m * k * n
-
-
-def block_matrix_params(config: ModelConfig) -> int:
-    """Weights of one block's matrices (q/k/v, out, MLP): each is read once and used for 2 flops per row."""
-    c = config
-    qkv = c.d_model * (c.n_head + 2 * c.kv_heads) * c.head_size
-    out = c.n_head * c.head_size * c.d_model
-    mlp = c.d_model * c.ff_size * (3 if c.mlp in ("swiglu", "geglu") else 2)
-    return qkv + out + mlp
-
-
-def weight_bytes(config: ModelConfig, bytes_per_weight: float = 4.0, head_bytes_per_weight: float | None = None,
-                 norm_bytes: float = 4.0) -> float:
-    """Bytes of weights one forward reads: every matrix once (a tied LM head once), biases and norms.
-
-    `bytes_per_weight` is the dtype's size (4, 2) or a quantized format's bits / 8 with its scales
-    (int8 with a float scale per row is 8.03 bits); the embedding / LM head may be stored apart.
-    """
-    c = config
-    head = bytes_per_weight if head_bytes_per_weight is None else head_bytes_per_weight
-    n_norms = (4 if c.post_norms else 1 if c.block == "parallel" else 2) * c.n_layer + (1 if c.final_norm else 0)
-    norm_params = n_norms * c.d_model * (2 if c.norm == "layernorm" else 1)
-    if c.qk_norm:
-        norm_params += 2 * c.n_layer * c.head_size
-    biases = 0
-    if c.qkv_bias:
-        biases += c.n_layer * (c.n_head + 2 * c.kv_heads) * c.head_size
-    out_bias = c.bias if c.attn_out_bias is None else c.attn_out_bias
-    biases += c.n_layer * ((c.d_model if out_bias else 0)
-                           + (c.ff_size * (2 if c.mlp in ("swiglu", "geglu") else 1) + c.d_model if c.bias else 0))
-    embeddings = c.vocab_size * c.embed_size * (1 if c.tie_embeddings else 2)
-    positions = c.context_length * c.d_model if c.positions == "learned" else 0
-    projections = 2 * c.d_model * c.embed_size if c.embed_size != c.d_model else 0
-    matrices = c.n_layer * block_matrix_params(c) + projections + positions
-    return matrices * bytes_per_weight + embeddings * head + (norm_params + biases) * norm_bytes
-
-
-def kv_bytes_per_token(config: ModelConfig, element: float = 4.0) -> float:
-    """A key and a value vector per KV head per layer: what the cache stores for each token."""
-    return 2 * config.n_layer * config.kv_heads * config.head_size * element
-
-
-def attention_flops(config: ModelConfig, queries: int, keys: int) -> int:
-    """q kᵀ and p v for `queries` new tokens over `keys` visible keys, in every layer."""
-    return config.n_layer * 2 * matmul_flops(queries, config.head_size, keys) * config.n_head
-
-
-def forward_flops(config: ModelConfig, tokens: int, context: int, logits: int = 1) -> int:
-    """A forward of `tokens` new tokens per row after `context - tokens` cached ones; LM head at `logits` rows."""
-    matrices = config.n_layer * block_matrix_params(config) * tokens
-    causal_pairs_mean = context - (tokens - 1) / 2  # the i-th new token sees context - tokens + i + 1 keys
-    attention = config.n_layer * 4 * config.n_head * config.head_size * tokens * causal_pairs_mean
-    return int(2 * matrices + attention + matmul_flops(logits, config.embed_size, config.vocab_size))
-
-
-def eager_ops(config: ModelConfig, tokens: int = 1) -> int:
-    """aten ops one eager forward dispatches (pre-norm blocks, as SmolLM2, Llama, Qwen2 and GPT-2 have)."""
-    c = config
-    attention = ATTENTION_OPS + (ROPE_OPS if c.positions == "rope" else 0)
-    attention += GQA_FOLD_OPS if tokens == 1 and c.kv_heads < c.n_head else 0
-    mlp = MLP_OPS["gated" if c.mlp in ("swiglu", "geglu") else "plain"]
-    block = 2 * NORM_OPS[c.norm] + attention + mlp + 2  # two norms, two residual adds
-    outside = FORWARD_OPS + (ROPE_TABLE_OPS if c.positions == "rope" else LEARNED_POSITION_OPS)
-    outside += NORM_OPS[c.norm] if c.final_norm else 0
-    return c.n_layer * block + outside
-
-
-def compiled_kernels(config: ModelConfig) -> int:
-    """Kernels a compiled decode graph calls per forward: per block four matmuls and about four fused loops
-    (norm + residual, RoPE + cache write, attention, activation), plus the embedding, final norm and head."""
-    return 8 * config.n_layer + 3
-
-
-def decode_step(config: ModelConfig, batch: int = 1, context: int = 256, bytes_per_weight: float = 4.0,
-                head_bytes_per_weight: float | None = None, kv_element: float = 4.0, cache: str = "static",
-                graph: str = "eager", tokens_per_row: int = 1, acceptance: float | None = None,
-                syncs: int = 2) -> Step:
-    """One decode step of `batch` rows at `context` tokens, as the run's settings make it.
-
-    cache 'static' / 'dynamic' / 'paged': the step feeds `tokens_per_row` new tokens (1, or k + 1 when
-    verifying k drafted tokens) and reads the cache; 'none': it recomputes all `context` positions.
-    graph 'eager' dispatches every aten op from Python; 'compiled' calls a few fused kernels.
-    `acceptance` (with tokens_per_row = k + 1): the step yields (1 - a^(k+1)) / (1 - a) tokens per row.
-    syncs: the RoPE table's max position and the sampler's token read back.
-    """
-    new = context if cache == "none" else tokens_per_row
-    kv = 0.0 if cache == "none" else batch * context * kv_bytes_per_token(config, kv_element)
-    activations = batch * new * config.d_model * 4 * 2 * config.n_layer  # the residual read and written per block
-    flops = batch * forward_flops(config, new, context, logits=tokens_per_row)
-    ops = eager_ops(config, new) if graph == "eager" else compiled_kernels(config)
-    k = tokens_per_row - 1
-    yielded = tokens_per_row if acceptance is None or k == 0 else expected_tokens_per_round(acceptance, k)
-    return Step(weight_bytes(config, bytes_per_weight, head_bytes_per_weight), kv, activations, flops, ops, syncs,
-                tokens=batch * yielded)
-
-
-def packed_step(config: ModelConfig, prefill_tokens: int, decode_rows: int, chunks: int, keys: int,
-                syncs: int = 2) -> Step:
-    """One continuous-batching step (lesson 12): `decode_rows` one-token rows and `chunks` prompt chunks of
-    `prefill_tokens` in all, packed into one row, reading `keys` cached keys in all; logits for every row.
-
-    The weights are read once for the whole step, however many requests share it: that is why the engine
-    packs them. The paged attention adds its writes and gathers to the plain ops (`PACKED_*_OPS`).
-    """
-    tokens = prefill_tokens + decode_rows
-    rows = decode_rows + chunks
-    matrices = 2 * config.n_layer * block_matrix_params(config) * tokens
-    attention = config.n_layer * 4 * config.n_head * config.head_size * tokens * keys / max(rows, 1)
-    flops = matrices + attention + matmul_flops(rows, config.embed_size, config.vocab_size)
-    ops = eager_ops(config, tokens) + PACKED_FORWARD_OPS + config.n_layer * (
-        PACKED_LAYER_OPS + (PACKED_DECODE_OPS if decode_rows else 0) + PACKED_CHUNK_OPS * chunks)
-    return Step(weight_bytes(config), keys * kv_bytes_per_token(config),
-                tokens * config.d_model * 4 * 2 * config.n_layer, flops, ops, syncs, tokens=rows)
-
-
-def with_bytes(step: Step, weight_bytes: float) -> Step:
-    """The same step reading `weight_bytes` of weights (a measured `num_weight_bytes`, a quantized size)."""
-    return replace(step, weight_bytes=weight_bytes)
-
-
-# --- Counting the ops a real step dispatches. ---------------------------------------------------------------------
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op that reaches the dispatcher inside the `with` block, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def count_ops(fn) -> Counter:
-    """The aten ops `fn()` dispatches, by name (a Counter; `.total()` is the step's op count)."""
-    with OpCounter() as counter:
-        fn()
-    return counter.ops
-
-
-# --- The machine's constants, each from one small probe. -----------------------------------------------------------
-
-
-def fastest(fn, bursts: int, repeat: int = 1) -> float:
-    """Seconds of one call: the fastest of `bursts` bursts of `repeat` calls.
-
-    On a shared machine most bursts are slowed by neighbours; a short burst that ran
-    undisturbed is what the hardware can do, so the minimum is the estimate.
-    """
-    best = math.inf
-    for _ in range(bursts):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeat)
-    return best
-
-
-def measure_peak_flops(n: int = 512, bursts: int = 30, dtype=torch.float32) -> float:
-    """flop/s of an n x n x n matmul, the most arithmetic-dense kernel the machine runs."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return matmul_flops(n, n, n) / fastest(lambda: a @ b, bursts)
-
-
-def measure_op_seconds(bursts: int = 50, repeat: int = 100) -> float:
-    """One eager op on a tiny tensor (an in-place add of 64 numbers): nearly all of it is dispatch."""
-    x = torch.ones(64)
-    return fastest(lambda: x.add_(1.0), bursts, repeat)
-
-
-def measure_sync_seconds(bursts: int = 50, repeat: int = 100, device: str = "cpu") -> float:
-    """Reading one number back to Python (`.item()`); on a GPU this waits for the queue to drain."""
-    x = torch.ones((), device=device)
-    return fastest(lambda: x.item(), bursts, repeat)
-
-
-def measure_machine(quick: bool = False) -> Machine:
-    """All four constants, measured now (about a second with quick=True)."""
-    return Machine(bandwidth=measure_memory_bandwidth(gib=0.25 if quick else 1.0, repeats=5 if quick else 10),
-                   peak_flops=measure_peak_flops(bursts=10 if quick else 30),
-                   op_seconds=measure_op_seconds(bursts=20 if quick else 50),
-                   sync_seconds=measure_sync_seconds(bursts=20 if quick else 50))
+from .cli import provenance, write_results
+from .common import RESULTS, machine_info
 
 
 def results_machine(decode: dict, cost: dict, bandwidth_gb_s: float | None = None,
@@ -309,8 +32,6 @@ def results_machine(decode: dict, cost: dict, bandwidth_gb_s: float | None = Non
 
 
 def main(argv=None) -> int:
-    from .cli import provenance, write_results
-
     parser = argparse.ArgumentParser(prog="python -m minillm.bench.cost",
                                      description="Measure the cost model's machine constants into results/cost.json")
     parser.add_argument("--quick", action="store_true", help="shorter probes (noisier)")
@@ -326,10 +47,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["Machine", "Step", "predict", "roofline_seconds", "tokens_per_second", "bound", "matmul_flops",
-           "weight_bytes", "kv_bytes_per_token", "attention_flops", "forward_flops", "eager_ops",
-           "compiled_kernels", "decode_step", "with_bytes", "OpCounter", "count_ops", "measure_peak_flops",
-           "measure_op_seconds", "measure_sync_seconds", "measure_machine", "results_machine", "SMOLLM2_135M", "main"]
+__all__ = ["results_machine", "main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

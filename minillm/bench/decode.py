@@ -28,20 +28,15 @@ import time
 
 import torch
 
+from ..costmodel.probes import measure_memory_bandwidth, synchronize
 from ..decoding.sampling import SamplingConfig
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from ..strategies.generate import generate
 from .batch import TEXT
-from .common import (
-    alternate,
-    finish_figure,
-    measure_memory_bandwidth,
-    median,
-    plot_title,
-    spread,
-    synchronize,
-)
+from .common import alternate, finish_figure, median, plot_title, spread
+
+FULL = (128, 128, 512)  # a full run's prompt tokens, new tokens, and the prefill's prompt (--quick: 32, 16, 128)
 
 
 class TokenClock:
@@ -111,7 +106,7 @@ def run(args) -> dict:
     from ..speed.load import load_model
 
     quick = args.quick
-    prompt_tokens, new_tokens, prefill_tokens = (32, 16, 128) if quick else (128, 128, 512)
+    prompt_tokens, new_tokens, prefill_tokens = (32, 16, 128) if quick else FULL
     repeats = 1 if quick else args.repeats
     dtypes = ("float32", "bfloat16")
     folder = resolve_checkpoint_folder(args.model)

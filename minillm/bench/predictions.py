@@ -1,6 +1,6 @@
 """Predicted beside measured: the cost model's forecast for each lesson's speed-up, next to what results/ stored.
 
-Lesson 05 builds the cost model (`minillm.bench.cost`); every speed-up lesson after it shows the
+The cost model (`minillm.costmodel`, lessons/cost-model/README.md); every speed-up lesson after it shows the
 model's prediction for its own change beside the stamped measurement, and states a band for
 measured / predicted with the reason the two differ. This module computes those rows from
 results/*.json, so a notebook's table, lesson 05's overview and tests/test_cost_model.py read
@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..base.jsonio import read_json
-from .common import RESULTS, machine_label
-from .cost import (
+from ..costmodel.model import (
     SMOLLM2_135M,
     Machine,
     Step,
@@ -28,9 +27,10 @@ from .cost import (
     forward_flops,
     packed_step,
     predict,
-    results_machine,
     with_bytes,
 )
+from .common import RESULTS, machine_label
+from .cost import results_machine
 from .speculative import model_speedup
 
 

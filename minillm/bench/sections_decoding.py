@@ -7,10 +7,10 @@ figure is read from the data (`python -m minillm.bench report` assembles them).
 
 from __future__ import annotations
 
+from ..costmodel.model import SMOLLM2_135M, forward_flops, weight_bytes
 from ..model.loading import DEFAULT_ALIASES
 from . import markdown as md
 from .common import model_label
-from .cost import SMOLLM2_135M, forward_flops, weight_bytes
 
 
 def decode_section(title: str, data: dict, links: dict) -> str:
@@ -194,14 +194,19 @@ def _batch_balance(data: dict) -> str:
     cheap = (f"Below that, a row costs less than its share of the weight reading (batch {batches[below[-1]]}'s step "
              f"takes {step_ms[below[-1]] / step_ms[0]:.2f}x batch {batches[0]}'s)" if below else "Below that, rows "
              "share the weight reading")
+    beyond = [i for i, b in enumerate(batches) if b > balance and i > 0]
+    past = ("beyond it, the step is compute-bound: throughput still grows by less than the rows added ("
+            + ", ".join(f"{rates[i] / rates[i - 1]:.2f}x to {batches[i]}" for i in beyond)
+            + f"), while a step's latency grows to {step_ms[-1]:.0f} ms" if beyond else
+            "beyond it, the step would be compute-bound, so each added row would cost its own arithmetic")
     return md.paragraph(
         f"In the decode phase alone throughput {growth}, while a step takes {step_ms[at]:.0f} ms at batch "
         f"{linear} and {step_ms[-1]:.0f} ms at batch {batches[-1]}. The batch-{batches[0]} step reads the weights at "
         f"an effective {read_gb_s:.1f} GB/s ({weights / 1e6:.0f} MB in {step_ms[0]:.1f} ms) and "
         f"does {flops / 1e9:.2f} GFLOP per row; batch {batches[-1]} sustains {sustained / 1e9:.0f} GFLOP/s "
         f"({batches[-1] * flops / 1e9:.1f} GFLOP in {step_ms[-1]:.0f} ms), so a step's arithmetic takes as long as "
-        f"its weight reading at about {balance:.0f} rows. {cheap}; beyond it, the step is compute-bound and a bigger "
-        "batch mostly adds latency (lesson 12's exercise 3 predicts this point from these two rates).")
+        f"its weight reading at about {balance:.0f} rows. {cheap}; {past} (lesson 12's exercise 3 predicts this point "
+        "from these two rates).")
 
 
 def speculative_section(title: str, data: dict, links: dict) -> str:

@@ -49,6 +49,7 @@ TASKS = {
                              "passage:\n\n" + PASSAGE,
     "open-ended": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
+KS = (1, 2, 4, 8)  # draft lengths measured by default (--ks)
 DRAFTS = ("dtype:bfloat16", "layers:24")  # the target's own weights: in BF16, or its first 24 of 30 blocks
 
 
@@ -199,7 +200,7 @@ def run(args) -> dict:
     model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
     folder = resolve_checkpoint_folder(args.model)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ks = getattr(args, "ks", None) or (1, 2, 4, 8)  # --ks: each k adds one run per drafter and library
+    ks = getattr(args, "ks", None) or KS  # --ks: each k adds one run per drafter and library
     max_new_tokens = 48 if args.quick else 128
     draft_specs = getattr(args, "drafts", None) or (DRAFTS[:1] if args.quick else DRAFTS)
     drafts = {spec: load_draft(spec, model)[0] for spec in draft_specs}

@@ -13,6 +13,24 @@ autoscaler can watch a deployment; the engine knows them all. Two kinds, fed two
 Each server has its own registry, so several servers in one process (tests, a
 notebook) never mix their counts. The text format is Prometheus' own
 (`prometheus_client.generate_latest`), which any Prometheus scraper reads.
+
+The same series under vLLM's names (and llama.cpp's `llama-server --metrics`), so a dashboard
+built for either reads these with a change of names only:
+
+    minillm_requests_waiting / _running      vllm:num_requests_waiting / _running
+                                             (llamacpp:requests_deferred / requests_processing)
+    minillm_kv_blocks_used / _total          their ratio is vllm:kv_cache_usage_perc
+                                             (llamacpp:kv_cache_usage_ratio in older builds)
+    minillm_prefix_cache_hit_rate            vllm:prefix_cache_hits / vllm:prefix_cache_queries
+    minillm_prompt_tokens_total              vllm:prompt_tokens_total (llamacpp:prompt_tokens_total)
+    minillm_generation_tokens_total          vllm:generation_tokens_total (llamacpp:tokens_predicted_total)
+    minillm_requests_finished_total          vllm:request_success_total{finished_reason}
+    minillm_time_to_first_token_seconds      vllm:time_to_first_token_seconds
+    minillm_time_per_output_token_seconds    vllm:request_time_per_output_token_seconds
+    minillm_e2e_request_latency_seconds      vllm:e2e_request_latency_seconds
+
+The token counters move when a request ends, not at each step as vLLM's do: over a `rate()`
+window of minutes the two agree, over seconds a long request shows up all at once.
 """
 
 from __future__ import annotations

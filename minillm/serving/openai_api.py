@@ -26,6 +26,10 @@ Requests. Bodies are read with pydantic (types), then minillm's own checks (rang
 OpenAI samples by default (temperature 1); send `temperature: 0` for greedy decoding.
 Logprobs are those of the distribution each token was drawn from (`minillm.decoding.logprobs`);
 JSON has no -inf, so a token the sampler could not draw reports vLLM's floor, -9999.0.
+`echo` with `logprobs` scores a text: lm-evaluation-harness reads a prompt's log-likelihood
+from any such server with `echo: true, logprobs: 1, max_tokens: 1` (older versions send
+`max_tokens: 0`, which scores without generating). Echoed prompt logprobs run the LM head at
+every prompt position and compute the whole prompt, never reading it from the prefix cache.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with a
 4xx status for anything the client can fix.

@@ -13,7 +13,10 @@ Every way computes the same thing, softmax(q kᵀ / √hd + mask) v, per query h
   hardware is fast at) while the live scores never exceed one [block_q, block_k] tile.
   Causal tiles entirely above the diagonal are skipped, not computed and masked.
   `paged_flash_attention` runs the same loop with one key tile per block of a paged cache,
-  read through the block table (`minillm.cache.paged`).
+  read through the block table (`minillm.cache.paged`), as vLLM's FlashAttention and
+  FlashInfer backends do; vLLM's original PagedAttention kernel read the blocks through the
+  table too, but held a row's scores whole (two passes: the max, then the exponentials' sum),
+  and its v2 split a long row into partitions merged at the end.
 
 All three return (out [B, H, T, hd], lse [B, H, T]), where lse is the log-sum-exp of each
 query's masked, scaled scores: what a backward pass, or a merge of two attentions over

@@ -4,12 +4,14 @@
 them: every new process traces, lowers, autotunes and compiles C++ again, a minute or more
 for the default model on two cores, before its first decode step. What that work produces
 depends only on the model, the shapes and the machine, so it can be kept. Three ways were
-measured (lesson 15 tells the numbers):
+measured:
 
     torch.compile's own caches      the next process still traces the model with Dynamo and
                                     re-runs freezing; frozen graphs bypass parts of the cache
+                                    (on a 2-core AMD EPYC, in an earlier session, a second
+                                    `--compile` process with warm caches took 135 s, the first 139)
     ONNX Runtime's saved graphs     loads fast, but its matmuls are the library's, not kernels
-                                    generated for each weight's shape: eager speed, no better
+                                    generated for each weight's shape: no faster than eager
     AOTInductor packages (kept)     `torch.export` gives one graph, AOTInductor (`aot_compile`)
                                     turns it into a shared library plus its constants (the
                                     weights, prepacked for the generated matmul kernels); a

@@ -16,6 +16,12 @@ separate matrix-vector products (the same bytes as its 121 fused ones): 31-33 ms
 on 4 KiB pages, 25.3-25.5 ms in huge pages (16.5 -> 21.2 GB/s), alternated in one
 process. Where the kernel gives no huge pages (THP set to `never`, another OS) the copy
 is harmless: the same bytes, in one block.
+
+The copy is paid once per process, and in a VM fresh huge pages are slow to touch the first
+time (the host backs them as they are first written): a run that decodes a handful of tokens
+starts later than it gains, one that decodes more than a few dozen, or serves, gets it back;
+and a kept graph that holds its own copy of the weights should not pay it twice
+(`defer_placement`).
 """
 
 from __future__ import annotations

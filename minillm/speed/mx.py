@@ -34,6 +34,17 @@ each element is a sign and an m-bit magnitude q with no implicit leading one:
 
 Magnitudes round to nearest, ties to even, clamped at 2^m − 1. These formats are not the OCP
 ones: "MX6" is not MXFP6 (see the lesson's README for what Qualcomm's Cloud AI 100 uses).
+What this definition rests on: the block sizes, bit widths and β rule as AMD Quark's
+documentation of MX4/MX6/MX9 gives them from the paper; the paper's own rounding rule and any
+official implementation were not checked. Microsoft's `microxcaling` emulator (read, not
+installed) covers the OCP formats only, with no β level, and rounds half away from zero by
+default (`round="nearest"`), so its "MXFP4" can differ from this one on ties.
+
+**Qualcomm's Cloud AI 100** compiles with `-mxfp6-matmul` (QEfficient's `mxfp6_matmul=True`:
+MXFP6 weight compression for MatMul nodes) and `-mxint8-kv-cache`. The public code does not say
+which FP6 element, block size or scale rounding it uses, nor whether the matmul computes on
+MXFP6 or decompresses first (those models compile with `-convert-to-fp16`); nothing ties it to
+the paper's two-level MX6, so lesson 14 measures both MXFP6 elements and MX6.
 
 No kernel here computes in any of them: `apply_mx_to_weights` replaces each weight by the
 value its code stands for, to measure what a format costs in accuracy.

@@ -76,7 +76,11 @@ def latest_earlier_occurrence(sequence: list[int], size: int, end: int | None = 
 # A verify forward reads every weight once whatever its length, so its first few extra tokens cost
 # about nothing and only longer drafts make it dearer (lesson 11 measures where the curve bends).
 # A drafter whose drafts are free to make (a lookup, not a model) drafts at least this many tokens
-# even where they keep failing: fewer would save nothing.
+# even where they keep failing: fewer would save nothing. The 5 was set on an AVX-512 machine whose
+# matrix library ran a 5-row forward about as fast as a 1-row one (a 2-row one cost more). That is a
+# property of the machine: on the 2-core Xeon that results/ come from the cost jumps at the fourth
+# token (MKL up to `speed.onednn.MKL_MAX_ROWS` rows, oneDNN beyond; `verify_cost` in
+# results/speculative.json), where a floor of 3 would fit better. Measure before changing it.
 FREE_DRAFT = 5
 
 
