@@ -167,7 +167,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[st
     stamp = provenance(argv)  # before the run: the code that is measured
     data = module.run(args)
     data = {"suite": args.suite, "machine": machine_info(args.device), **stamp, **data}
-    json_path = write_results(args.suite, data, args.out)
+    json_path = write_results(getattr(module, "RESULTS_NAME", args.suite), data, args.out)
     if not hasattr(module, "plot"):  # `predict`: its figures are drawn beside their measurements
         print(f"wrote {json_path}")
         return 0

@@ -27,6 +27,7 @@ from ..costmodel.model import SMOLLM2_135M, Machine, Step, decode_step, predict
 from ..costmodel.probes import measure_machine
 from . import batch, cache_scaling, compile, decode, speculative
 
+RESULTS_NAME = "predictions"  # results/predictions.json: the command is a verb, the file holds its rows
 BAND = (0.67, 1.5)  # measured / predicted: one band for every row of the course (hi / lo = 2.24)
 CLI_CONTEXT = 96  # the `cli` suite's prompt (about 30 tokens) plus half its 128 new tokens
 INT8_BYTES = 1 + 4 / SMOLLM2_135M.d_model  # an int8 weight with one float32 scale per row of 576 (8.06 bits)
@@ -139,4 +140,4 @@ def run(args) -> dict:
             "rows": forecasts(machine)}
 
 
-__all__ = ["BAND", "forecasts", "constants", "machine_of", "run", "FORECASTS"]
+__all__ = ["RESULTS_NAME", "BAND", "forecasts", "constants", "machine_of", "run", "FORECASTS"]

@@ -30,12 +30,7 @@ import torch
 from ..costmodel.probes import measure_memory_bandwidth
 from ..model.loading import resolve_checkpoint_folder
 from ..speed.load import load_model
-from ..speed.mx import (
-    MX_FORMATS,
-    SHARED_MICROEXPONENT,
-    apply_mx_to_weights,
-    bits_per_weight,
-)
+from ..speed.mx import MX_FORMATS, SHARED_MICROEXPONENT, apply_mx_to_weights, bits_per_weight
 from ..speed.quality import compare_models, held_out_tokens
 from ..speed.quant_gguf import gguf_path_for, use_gguf_weights
 from ..speed.quantize_model import linears, quantize_model, weight_bytes

@@ -45,14 +45,7 @@ from tqdm.auto import tqdm
 
 from ..decoding.sampling import SamplingConfig
 from ..runtime.engine import Engine, kv_bytes_per_token
-from ..serving.loadtest import (
-    LONG_OUTPUTS,
-    LONG_SHARE,
-    SHORT_OUTPUTS,
-    SYSTEM_PROMPT,
-    chat_workload,
-    percentile,
-)
+from ..serving.loadtest import LONG_OUTPUTS, LONG_SHARE, SHORT_OUTPUTS, SYSTEM_PROMPT, chat_workload, percentile
 from ..strategies.generate import generate
 from .common import finish_figure, plot_title
 
