@@ -14,9 +14,11 @@ import time
 from collections import Counter
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..speed.huge_pages import into_huge_pages
+from ..speed.onednn import use_onednn
 from .model import Machine, matmul_flops
 
 
@@ -122,29 +124,35 @@ LINEAR_SHAPE = (1024, 1024)  # a generic transformer-sized weight matrix (not an
 
 def measure_linear_rates(dtype=torch.float32, rows=LINEAR_ROWS, bursts: int = 3,
                          gib: float = 0.25) -> tuple[tuple[int, float], ...]:
-    """The matrix library's speed at a few rows: ((rows, seconds per weight byte), ...) for `F.linear` of `rows`
-    rows by 1024 x 1024 weights in `dtype`, placed in huge pages like the model's.
+    """The matrix library's speed at a few rows: ((rows, seconds per weight byte), ...) for linear layers of
+    generic 1024 x 1024 weights in `dtype`, placed in huge pages and multiplied the way `load_model` sets a
+    model up (float32 on a CPU through oneDNN's packed weights, or MKL's where it streams better,
+    `minillm.speed.onednn`; other dtypes through plain `F.linear`).
 
     Up to a few rows the weights are read from memory (`gib` of distinct matrices, past any cache), and the
     time per byte says how near the library's matrix-vector kernel comes to the bandwidth probe; at many rows
     the same matrices are multiplied from cache and the time per byte says how near it comes to peak arithmetic.
     """
-    import torch.nn.functional as F
-
     out_features, in_features = LINEAR_SHAPE
     one = out_features * in_features * torch.empty((), dtype=dtype).element_size()
     weights = into_huge_pages([torch.randn(LINEAR_SHAPE).to(dtype) for _ in range(max(1, int(gib * 2**30) // one))])
+    layers = nn.ModuleList(nn.Linear(in_features, out_features, bias=False, dtype=dtype) for _ in weights)
+    for layer, weight in zip(layers, weights):
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+    if dtype == torch.float32:
+        use_onednn(layers)
     curve = []
-    for n in rows:
-        used = weights[:max(1, min(len(weights), int(2e9 // matmul_flops(n, in_features, out_features))))]
-        x = torch.randn(n, in_features).to(dtype)
+    with torch.inference_mode():
+        for n in rows:
+            used = layers[:max(1, min(len(layers), int(2e9 // matmul_flops(n, in_features, out_features))))]
+            x = torch.randn(n, in_features).to(dtype)
 
-        def run(used=used, x=x):
-            for weight in used:
-                F.linear(x, weight)
+            def run(used=used, x=x):
+                for layer in used:
+                    layer(x)
 
-        run()  # warm-up: the library picks its kernel, the pages are touched
-        curve.append((n, fastest(run, bursts) / (len(used) * one)))
+            run()  # warm-up: the library picks its kernel and packs its weights, the pages are touched
+            curve.append((n, fastest(run, bursts) / (len(used) * one)))
     return tuple(curve)
 
 
