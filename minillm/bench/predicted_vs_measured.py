@@ -24,6 +24,8 @@ from .common import RESULTS, machine_label
 MISSING_TERMS = {
     "bfloat16 decode": "eager BF16 matrix-vector products convert each weight before multiplying; the probe's "
                        "curve prices generic 1024 x 1024 matrices, not the model's narrow ones",
+    "bfloat16 compiled decode": "a generated bfloat16 kernel widens each weight to float32 before multiplying on a "
+                                "CPU without BF16 dot products (an AVX2 EPYC: 0.58 of the forecast in a dry run)",
     "no cache step": "a recompute over many rows runs the library's matrix kernels below the probe's peak on the "
                      "model's narrow matrices, and eager attention makes many passes over the scores",
     "command line, int8": "int8 and Q4_1 weights are widened to float before each multiply: arithmetic the byte "
