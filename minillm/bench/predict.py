@@ -23,7 +23,7 @@ mechanisms in their notebooks instead.
 
 from __future__ import annotations
 
-from ..costmodel.model import SMOLLM2_135M, Machine, Step, decode_step, predict
+from ..costmodel.model import SMOLLM2_135M, Machine, decode_step, predict, tokens_per_second
 from ..costmodel.probes import measure_machine
 from . import batch, cache_scaling, compile, decode, speculative
 
@@ -39,10 +39,6 @@ def row(lesson: str, what: str, unit: str, predicted: float, source: str, measur
             "measured": measured}
 
 
-def seconds_to_tokens(step: Step, machine: Machine) -> float:
-    return step.tokens / predict(step, machine)
-
-
 def precision_rows(machine: Machine) -> list[dict]:
     """Lesson 05: one FP32 and one BF16 eager decode step, and a 512-token prefill (compute-bound)."""
     prompt, new, prefill = decode.FULL
@@ -50,7 +46,7 @@ def precision_rows(machine: Machine) -> list[dict]:
     rows = []
     for dtype, size in (("float32", 4.0), ("bfloat16", 2.0)):
         step = decode_step(SMOLLM2_135M, context=context, bytes_per_weight=size, kv_element=size, dtype=dtype)
-        rows.append(row("05", f"{dtype} decode, static cache", "tok/s", seconds_to_tokens(step, machine), "decode",
+        rows.append(row("05", f"{dtype} decode, static cache", "tok/s", tokens_per_second(step, machine), "decode",
                         f'decode.results.{dtype}.contenders["minillm static"].tokens_per_second'))
     step = decode_step(SMOLLM2_135M, context=prefill, tokens_per_row=prefill)
     rows.append(row("05", f"float32 prefill of {prefill} tokens", "s", predict(step, machine), "decode",
@@ -73,7 +69,7 @@ def batch_rows(machine: Machine) -> list[dict]:
     """Lesson 07: B rows share one read of the weights; decode throughput at each batch size."""
     context = max(batch.PROMPT_LENGTHS) + batch.NEW_TOKENS // 2
     return [row("07", f"decode at batch {size}", "tok/s",
-                seconds_to_tokens(decode_step(SMOLLM2_135M, batch=size, context=context), machine), "batch",
+                tokens_per_second(decode_step(SMOLLM2_135M, batch=size, context=context), machine), "batch",
                 f"batch.rows.find(batch={size}).minillm.decode_per_second")
             for size in batch.BATCH_SIZES]
 
@@ -97,7 +93,7 @@ def compiled_rows(machine: Machine) -> list[dict]:
                                      ("float32", 4.0, "compiled", "minillm compiled"),
                                      ("bfloat16", 2.0, "compiled", "minillm compiled")):
         step = decode_step(SMOLLM2_135M, context=context, bytes_per_weight=size, graph=graph, dtype=dtype)
-        rows.append(row("15", f"{dtype} {graph} decode", "tok/s", seconds_to_tokens(step, machine), "compile",
+        rows.append(row("15", f"{dtype} {graph} decode", "tok/s", tokens_per_second(step, machine), "compile",
                         f'compile.results.{dtype}.contenders["{name}"].tokens_per_second'))
     for quant, size, name in (("float32", 4.0, "minillm compiled"), ("int8", INT8_BYTES, "minillm int8 compiled"),
                               ("gguf", Q4_1_BYTES, "minillm gguf compiled")):
@@ -105,7 +101,7 @@ def compiled_rows(machine: Machine) -> list[dict]:
         step = decode_step(SMOLLM2_135M, context=CLI_CONTEXT, bytes_per_weight=size, head_bytes_per_weight=head,
                            graph="compiled")
         lesson = "15" if quant == "float32" else "14"
-        rows.append(row(lesson, f"command line, {quant} compiled decode", "tok/s", seconds_to_tokens(step, machine),
+        rows.append(row(lesson, f"command line, {quant} compiled decode", "tok/s", tokens_per_second(step, machine),
                         "cli", f'cli.contenders["{name}"].decode_tokens_per_second'))
     return rows
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from ..base.jsonio import read_json, write_json
+from ..base.jsonio import read_json
 from . import figures
 from .common import RESULTS, machine_label
 
@@ -49,9 +49,9 @@ def verdicts(folder: Path = RESULTS) -> dict | None:
     forecast = read_json(folder / "predictions.json")
     low, high = forecast["band"]
     names = figures.results_names(folder)
-    rows = []
-    for row in forecast["rows"]:
-        rows.append({**row, **judged(row, forecast, folder, names, low, high)})
+    sources = {name: read_json(folder / f"{name}.json") for name in {row["source"] for row in forecast["rows"]}
+               if (folder / f"{name}.json").exists()}
+    rows = [{**row, **judged(row, forecast, sources.get(row["source"]), names, low, high)} for row in forecast["rows"]]
     compared = [r for r in rows if r["verdict"] in ("inside", "outside")]
     inside = sum(r["verdict"] == "inside" for r in compared)
     return {"predicted": {"date": forecast["date"], "git": forecast["git"], "machine": forecast["machine"]},
@@ -59,13 +59,11 @@ def verdicts(folder: Path = RESULTS) -> dict | None:
             "inside_share": inside / len(compared) if compared else None}
 
 
-def judged(row: dict, forecast: dict, folder: Path, names: dict, low: float, high: float) -> dict:
+def judged(row: dict, forecast: dict, source: dict | None, names: dict, low: float, high: float) -> dict:
     """One row's measurement and verdict: inside, outside (with the missing term, where known), or why not
-    compared."""
-    path = folder / f"{row['source']}.json"
-    if not path.exists():
+    compared. `source` is the results file the row names (None where it has not been written)."""
+    if source is None:
         return {"measured": None, "ratio": None, "verdict": NOT_MEASURED}
-    source = read_json(path)
     if machine_label(source["machine"]) != machine_label(forecast["machine"]):
         return {"measured": None, "ratio": None, "verdict": ELSEWHERE}
     if when(source["date"]) <= when(forecast["date"]):
@@ -100,10 +98,4 @@ def table(lesson_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(folder: Path = RESULTS) -> Path | None:
-    """results/predicted-vs-measured.json from the forecast and the results beside it (None without a forecast)."""
-    data = verdicts(folder)
-    return None if data is None else write_json(Path(folder) / "predicted-vs-measured.json", data)
-
-
-__all__ = ["verdicts", "rows", "table", "write", "MISSING_TERMS"]
+__all__ = ["verdicts", "rows", "table", "MISSING_TERMS"]

@@ -34,7 +34,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..base.jsonio import dumps, read_json
+from ..base.jsonio import dumps, read_json, write_json
 from . import figures, predicted_vs_measured
 from .common import SUITES, machine_label
 from .sections_decoding import (
@@ -217,7 +217,7 @@ def rewrite_verdicts(folder: Path, check: bool) -> int:
             return 0
         print(f"{path} is out of date: run `python -m minillm.bench report`", file=sys.stderr)
         return 1
-    predicted_vs_measured.write(folder)
+    write_json(path, verdicts)
     print(f"{path}: {verdicts['inside']} of {verdicts['compared']} rows inside {verdicts['band']}")
     return 0
 

@@ -1,9 +1,12 @@
 """The cost model's arithmetic: a step's time from what it reads, computes, dispatches and waits for.
 
-    predict(step) = max(bytes / bandwidth, flops / peak_flops) + ops * op_seconds + syncs * sync_seconds
+    predict(step) = work(step) + ops * op_seconds + syncs * sync_seconds
+    work(step)    = max(bytes / bandwidth, flops / peak_flops)           (the roofline: generated kernels)
+                  = weight_bytes * library(rows) + the rest at the roofline   (eager: the matrix library)
 
-The first term is the roofline: a step cannot finish before the machine has read what it
-reads (weights, KV cache, activations) or done its arithmetic, whichever takes longer. The
+The roofline: a step cannot finish before the machine has read what it reads (weights, KV
+cache, activations) or done its arithmetic, whichever takes longer; an eager step's weight
+matrices run at the library's probed speed at its rows instead (`Machine.linear`). The
 rest is overhead the roofline does not see: every eager PyTorch op is a Python call and a
 dispatch (a kernel launch on a GPU), and every `.item()` waits for the device. The step's
 counts come from the model's config by formula (`decode_step`, `packed_step`); the machine's
