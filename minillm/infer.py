@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .base import jsonio
-from .base.cli_inputs import read_prompts_file, schema_text
+from .base.cli_inputs import command_line_text, read_prompts_file, schema_text
 from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, run_command
 from .decoding.outputs import check_fits_context, encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
                    help="subtract X per occurrence among the generated tokens, in [-2, 2] (0: off)")
     s.add_argument("--seed", type=int, metavar="N", help="random seed: the same seed gives the same text")
+    s.add_argument("--logit-bias", action="append", default=[], metavar="ID=VALUE",
+                   help="add VALUE (-100..100) to token ID's logit before any other processing, as OpenAI's "
+                        "logit_bias: -100 all but bans the token, 100 all but forces it (repeatable)")
 
     c = p.add_argument_group("structured output (lesson 18; plain generation, greedy or sampled)")
     c.add_argument("--json-schema", metavar="SCHEMA",
@@ -158,10 +161,23 @@ def sampling_config(args, eos_token_id=None) -> SamplingConfig:
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
             eos_token_id=eos_token_id, stop=tuple(args.stop), seed=args.seed,
-            json_schema=schema_text(args.json_schema), regex=args.regex,
+            json_schema=schema_text(args.json_schema), regex=args.regex, logit_bias=logit_bias(args.logit_bias),
         )
     except SamplingError as e:
         raise ValueError(f"--{e.field.replace('_', '-')} {e.value!r} is invalid: must be {e.allowed}") from None
+
+
+def logit_bias(pairs: list[str]) -> dict[int, float]:
+    """--logit-bias 2=-100 --logit-bias 42=5.5 -> {2: -100.0, 42: 5.5}."""
+    bias = {}
+    for pair in pairs:
+        token, _, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias {pair!r} is invalid: write ID=VALUE, a token id and a number, "
+                             "e.g. --logit-bias 2=-100") from None
+    return bias
 
 
 def check_constraint(args, config: SamplingConfig) -> None:
@@ -276,7 +292,10 @@ def run(args) -> int:
 
     if sys.stdout is None or sys.stdout.closed:
         raise ValueError("standard output is closed: redirect it to a file or a pipe")
-    prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    prompts = ([command_line_text(prompt, "--prompt") for prompt in args.prompt]
+               + (read_prompts_file(args.prompts_file) if args.prompts_file else []))
+    if args.system is not None:
+        command_line_text(args.system, "--system")
     if not prompts:
         raise ValueError("no prompt: pass --prompt TEXT or --prompts-file FILE")
     for i, prompt in enumerate(prompts):
@@ -325,8 +344,13 @@ def run(args) -> int:
     if compile is None and out.stats.extra.get("graph") == "eager" and args.cache == "static" \
             and model.device.type == "cpu":  # a GPU keeps no package: --compile captures one in the run
         verify = f" --verify-tokens {out.stats.extra['num_draft_tokens'] + 1}" if args.speculative else ""
-        print(f"minillm: decoded eagerly: `python -m minillm.compile{verify}` (same --model/--dtype/--quant) builds "
-              "the compiled graphs once, and later runs load them in seconds and decode faster", file=sys.stderr)
+        if damaged := out.stats.extra.get("kept_problem"):
+            print(f"minillm: decoded eagerly: the kept compiled graph {damaged}, so it was not loaded; "
+                  f"`python -m minillm.compile{verify}` (same --model/--dtype/--quant) builds it again", file=sys.stderr)
+        else:
+            print(f"minillm: decoded eagerly: `python -m minillm.compile{verify}` (same --model/--dtype/--quant) "
+                  "builds the compiled graphs once, and later runs load them in seconds and decode faster",
+                  file=sys.stderr)
     per_prompt = beam["num_return_sequences"] if beam else 1
     for i, row in enumerate(out.rows):
         prompt = prompts[i // per_prompt]

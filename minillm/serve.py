@@ -116,10 +116,11 @@ def run(args) -> int:
     print(f"minillm: serving {name!r} on http://{host}:{port}/v1 (max {max_model_len} tokens per request, "
           f"{args.max_num_seqs} at once; path: {path}; Ctrl-C stops)", file=sys.stderr, flush=True)
     # HTTP on a thread, the engine on this one (`AsyncEngine.run_here` says why: OpenMP runs a decode step at
-    # half speed on a second thread). SIGTERM ends the engine's loop after its step; Ctrl-C interrupts it.
+    # half speed on a second thread). SIGTERM stops schema compiles under way (their requests get a 503) and ends
+    # the engine's loop after its step; Ctrl-C interrupts it.
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=1))
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
-    signal.signal(signal.SIGTERM, lambda signum, frame: runner.stop_soon())
+    signal.signal(signal.SIGTERM, lambda signum, frame: (app.state.openai.stop_compiling(), runner.stop_soon()))
     http.start()
     try:
         runner.run_here(keep_going=http.is_alive)

@@ -201,6 +201,18 @@ def test_cli_error_is_one_line_without_traceback():
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr and "/no/such/folder.gguf" in bad.stderr
 
 
+def test_a_prompt_that_is_not_utf8_is_named_as_such():
+    """Bytes on the command line that are not UTF-8 (a Latin-1 terminal's é) reach Python as lone surrogates; the
+    run names the flag and the byte before any model loads, instead of the tokenizer's complaint about types."""
+    bad = subprocess.run([sys.executable, "-m", "minillm.infer", "--prompt", b"caf\xe9 au lait"], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    assert "--prompt is not valid UTF-8 text (character 3 is the byte 0xE9)" in bad.stderr
+    system = subprocess.run([sys.executable, "-m", "minillm.infer", "--prompt", "hi", "--system", b"\xff"],
+                            capture_output=True, text=True, timeout=600)
+    assert system.returncode == 2 and "--system is not valid UTF-8 text (character 0 is the byte 0xFF)" in system.stderr
+
+
 def test_cli_help_explains_every_flag():
     from minillm.infer import build_parser
 

@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -67,6 +68,39 @@ def assert_same(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------ each warper == transformers'
+
+
+def test_logit_bias_matches_transformers_sequence_bias_and_comes_first():
+    """OpenAI's logit_bias is transformers' sequence bias over one-token sequences; minillm adds it before every
+    other processor (llama.cpp's order), so a +100 token survives a top-k of 1 and a -100 one never does."""
+    bias = {3: 100.0, 7: -100.0, 11: 2.5}
+    theirs = SequenceBiasLogitsProcessor({(token,): value for token, value in bias.items()})(NO_IDS, LOGITS.clone())
+    assert_same(process_logits(LOGITS, SamplingConfig(logit_bias=bias), None), theirs)
+    kept = process_logits(LOGITS[:4], SamplingConfig(do_sample=True, top_k=1, logit_bias=bias), None)
+    assert (kept.argmax(-1) == 3).all() and (kept[:, 7] == -math.inf).all()
+    assert SamplingConfig(logit_bias={5: 1.0}).logit_bias == ((5, 1.0),)  # a tuple: rows group by their settings
+    for bad in ({-1: 1.0}, {5: 101.0}, {5: float("nan")}, {"5": 1.0}):
+        with pytest.raises(SamplingError):
+            SamplingConfig(logit_bias=bad)
+
+
+def test_logit_bias_steers_generation_and_a_token_outside_the_vocabulary_is_named():
+    from minillm.model.tiny import tiny_pair
+
+    model = tiny_pair("llama")[1]
+    prompt = [[1, 2, 3]]
+    plain = generate(model, prompt, max_new_tokens=6)
+    first = plain.token_ids[0][0]
+    banned = generate(model, prompt, SamplingConfig(max_new_tokens=6, logit_bias={first: -100}))
+    assert banned.token_ids[0][0] != first
+    forced = generate(model, prompt, SamplingConfig(max_new_tokens=6, logit_bias={9: 100}))
+    assert forced.token_ids[0] == [9] * 6
+    with pytest.raises(SamplingError, match="token ids below 96 .* 100000 is not"):
+        generate(model, prompt, SamplingConfig(max_new_tokens=2, logit_bias={100000: 1}))
+    args = build_parser().parse_args(["--prompt", "x", "--logit-bias", "9=100", "--logit-bias", "4=-2.5"])
+    assert sampling_config(args).logit_bias == ((4, -2.5), (9, 100.0))
+    with pytest.raises(ValueError, match="--logit-bias 'nine=1' is invalid: write ID=VALUE"):
+        sampling_config(build_parser().parse_args(["--prompt", "x", "--logit-bias", "nine=1"]))
 
 
 @pytest.mark.parametrize("temperature", [0.05, 0.7, 1.0, 1.3, 10.0])

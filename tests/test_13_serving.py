@@ -122,6 +122,20 @@ def test_seeded_choices_equal_generate_with_seed_plus_index(tiny_server, tiny_mo
     assert answer.usage.prompt_tokens == len(tokenizer.encode("Hello"))  # once, not once per choice
 
 
+def test_logit_bias_is_applied_as_openai_defines_it(tiny_server, tiny_model):
+    """logit_bias (token id as a string -> -100..100) reaches the sampler: +100 forces a token at every step, and
+    a request with it equals generate with the same bias."""
+    model, tokenizer = tiny_model
+    client = client_for(tiny_server)
+    forced = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0,
+                                       logit_bias={"42": 100})
+    assert tokenizer.encode(forced.choices[0].text) == tokenizer.encode(tokenizer.decode([42] * 5))
+    nudged = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0.8, seed=3,
+                                       logit_bias={"42": 3, "7": -100})
+    assert nudged.choices[0].text == solo(model, tokenizer, "Hello", max_new_tokens=8, do_sample=True,
+                                          temperature=0.8, seed=3, logit_bias={42: 3, 7: -100})
+
+
 def test_concurrent_greedy_requests_each_equal_their_solo_output(tiny_server, tiny_model):
     model, tokenizer = tiny_model
     prompts = [f"Request {i}: " + "word " * (3 * i) for i in range(10)]  # more than max_num_seqs: some wait
@@ -209,9 +223,13 @@ BAD_REQUESTS = {  # name: (path, body (bytes are sent raw), status, param)
     "n zero": ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     "unsupported best_of": ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     "logprobs over 5": ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    "logit_bias key not a token id": ("/v1/completions", {"prompt": "x", "logit_bias": {"the": 5}}, 400, "logit_bias"),
+    "logit_bias over 100": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    "logit_bias outside the vocabulary": ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400,
+                                          "logit_bias"),
     "top_logprobs without logprobs": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                "top_logprobs": 2}, 400, "top_logprobs"),
-    "token id outside the vocabulary": ("/v1/completions", {"prompt": [5, 10**6]}, 400, None),
+    "token id outside the vocabulary": ("/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
     "empty prompt": ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     "unknown model": ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     "prompt over the context": ("/v1/completions", {"prompt": LONG}, 400, None),
@@ -484,6 +502,41 @@ def test_serve_command_answers_then_stops_on_a_signal(stop):
         assert process.returncode == 0, err[-2000:]
     else:
         assert process.returncode == 130 and err.strip().endswith("minillm: interrupted"), err[-2000:]
+
+
+@pytest.mark.real_model
+def test_serve_command_stops_on_sigterm_while_a_schema_compiles():
+    """A request whose schema takes seconds to compile (here: until it hits the automaton's limits) must not hold
+    the server up: SIGTERM ends it cleanly while the compile runs, and the compile stops with its request."""
+    import threading
+
+    from minillm.bench.server import free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "minillm.serve", "--eager", "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.communicate()[1][-2000:]
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        schema = {"type": "array", "items": {"type": "string", "maxLength": 1500}}  # tens of thousands of states
+        body = {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
+        request = threading.Thread(target=lambda: httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                                             json=body, timeout=60), daemon=True)
+        request.start()
+        time.sleep(0.5)  # the compile is under way
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert "Traceback" not in err and process.returncode == 0, err[-2000:]
 
 
 def test_loadtest_command_line_measures_a_server(default_model, capsys):

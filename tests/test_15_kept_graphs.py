@@ -121,6 +121,11 @@ def test_a_damaged_package_is_rebuilt_not_loaded(built, kept_home, monkeypatch, 
 
     put(bytes(data))
     assert "does not match its recorded sha256" in graph_store.entry_problem(entry)
+    # The default path (compile=None) does not load it, and says why rather than calling the graph unbuilt
+    eager = generate(model, PROMPTS, max_new_tokens=2)
+    assert eager.stats.extra["graph"] == "eager"
+    assert eager.stats.extra["kept_problem"].startswith(entry.name) and "sha256" in eager.stats.extra["kept_problem"]
+    assert "kept_problem" not in generate(model, PROMPTS[:1], max_new_tokens=2).stats.extra  # none built: missing
 
     rebuilt = []
 

@@ -355,6 +355,52 @@ def test_json_object_has_the_states_the_lesson_quotes():
     assert constraint_dfa("json_schema", '{"type": "object"}').num_states == 1396
 
 
+# ------------------------------------------------------------------ bounded work: limits and cancellation
+
+
+@pytest.mark.parametrize("kind,source,limit", [
+    ("regex", "x{300000}", "'nfa_states'"),                 # a count copies its item once per count
+    ("regex", "(a|b)*a(a|b){16}", "'dfa_states'"),           # 2^17 subsets of an NFA of a few dozen states
+])
+def test_a_pattern_past_the_automatons_limits_is_refused(kind, source, limit):
+    from minillm.decoding.automaton import Budget, TooLarge
+
+    with pytest.raises(TooLarge) as error:
+        compile_dfa(parse_regex(source), Budget(max_nfa_states=50_000, max_dfa_states=5_000, seconds=float("inf")))
+    assert repr(error.value.limit) == limit and "use smaller counts" in str(error.value)
+
+
+def test_an_explosive_schema_is_refused_naming_the_keyword_that_asked_for_it():
+    """The issue's schema: minLength 5000 once built for minutes; now a limit stops it and the error names the
+    count a user can change, and where it is."""
+    from minillm.decoding.json_schema import schema_dfa
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 10},
+                                                "b": {"type": "array", "items": {"type": "string", "minLength": 5000}}}}
+    with pytest.raises(UnsupportedSchema) as error:
+        schema_dfa(schema)
+    assert error.value.keyword == "minLength" and "(at .properties.b.items)" in str(error.value)
+    assert "= 5000 is too large" in str(error.value) and "supported:" not in str(error.value)
+    assert schema_dfa({"type": "string", "minLength": 50}).accepts(b'"' + b"x" * 50 + b'"')  # small counts compile
+
+
+def test_a_compile_stops_when_it_is_cancelled_and_when_its_seconds_run_out():
+    """Both checks run between states: a set `cancelled` (the server's request went away) stops the compile with
+    `Cancelled`, not an error for the user; a budget of no seconds stops it with `TooLarge`."""
+    import threading
+
+    from minillm.decoding.automaton import Budget, Cancelled, TooLarge
+
+    node = parse_regex("[a-z]{5000}")
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(Cancelled):
+        compile_dfa(node, Budget(cancelled=cancelled))
+    with pytest.raises(TooLarge) as error:
+        compile_dfa(node, Budget(seconds=0.0))
+    assert error.value.limit == "seconds" and not isinstance(Cancelled("x"), ValueError)  # never a 400
+
+
 def test_settings_check_the_constraint():
     assert SamplingConfig(json_schema={"type": "object"}).constraint == ("json_schema", '{"type": "object"}')
     assert SamplingConfig(regex="a+").constraint == ("regex", "a+")
@@ -593,6 +639,8 @@ def test_server_response_format_json_schema_streaming_and_not():
      "'format'"),
     (response_format({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}), "'minimum'"),
     (response_format({"type": "object", "patternProperties": {"^a": {}}}), "'patternProperties'"),
+    (response_format({"type": "object", "properties": {"s": {"type": "string", "minLength": 5000}}}),
+     "'minLength' (at .properties.s) = 5000 is too large"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "name"),
     ({"type": "xml"}, "'xml'"),
 ])
@@ -635,3 +683,4 @@ def test_real_model_server_json_modes(default_model):
 
 def test_notebook_runs(run_notebook):
     run_notebook("18_structured_output.ipynb", timeout=600)
+

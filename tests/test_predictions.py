@@ -91,6 +91,9 @@ def test_a_row_is_compared_only_with_a_later_measurement_on_the_same_machine(tmp
     assert (data["compared"], data["inside"], data["inside_share"]) == (2, 1, 0.5)
     table = predicted_vs_measured.table(data["rows"])
     assert "inside" in table and "outside: not yet understood" in table and "measured before the forecast" in table
+    before = predicted_vs_measured.table(data["rows"], measured=False)  # what a notebook prints before measuring
+    assert "decode at batch 16" in before and "120.00" not in before and "inside" not in before
+    assert "2026-01-02 00:00 UTC" in predicted_vs_measured.forecast_note(tmp_path)
 
 
 def test_report_writes_the_verdicts_and_check_notices_a_stale_file(tmp_path, capsys):
@@ -105,6 +108,7 @@ def test_report_writes_the_verdicts_and_check_notices_a_stale_file(tmp_path, cap
     assert report.rewrite_verdicts(tmp_path, check=True) == 0
     stored = json.loads((tmp_path / "predicted-vs-measured.json").read_text())
     assert stored["rows"][0]["verdict"] == "inside" and stored["inside"] == 1
+    assert (tmp_path / "predicted-vs-measured.png").stat().st_size > 0  # the verdicts drawn
     write(tmp_path, "batch", stamped("batch", "2026-01-03T00:00:00+00:00", rows=[{"batch": 1, "tok_s": 20.0}]))
     assert report.rewrite_verdicts(tmp_path, check=True) == 1
 

@@ -1,4 +1,5 @@
-"""The command line's file and JSON inputs: a prompts file, a JSON schema given inline or as a file.
+"""The command line's text, file and JSON inputs: a prompt's bytes, a prompts file, a JSON schema given inline or as
+a file.
 
 Each reader turns a bad input into one ValueError line naming the file or flag and what is wrong, which
 `run_command` prints without a traceback.
@@ -8,6 +9,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+
+def command_line_text(text: str, flag: str) -> str:
+    """`text` as given after `flag`, refused in one line unless it is UTF-8. Python hands undecodable argument
+    bytes over as lone surrogates (PEP 383), which a tokenizer rejects with a message about its own types."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{flag} is not valid UTF-8 text (character {e.start} is the byte "
+                         f"0x{ord(text[e.start]) - 0xDC00:02X}): pass UTF-8, e.g. convert with iconv -t UTF-8") from None
+    return text
 
 
 def read_prompts_file(path: str) -> list[str]:

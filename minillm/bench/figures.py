@@ -71,6 +71,9 @@ class Node:
     def __len__(self):
         return len(self._value)
 
+    def __contains__(self, item) -> bool:  # `"amx_bf16" in decode.machine.cpu_flags`
+        return item in self._value
+
 
 def results_names(folder: Path) -> dict[str, Node]:
     """Every results file in `folder` (and a device's subfolder) under the name an expression uses."""

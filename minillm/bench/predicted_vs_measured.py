@@ -5,7 +5,8 @@ is read back from the results file it named, through its figure expression (`fig
 against the one band the forecast stated for the whole course. A row counts only if its measurement is
 later than the forecast and from the same machine: a results file measured before the forecast, or on
 another machine, is named as such, never compared. `python -m minillm.bench report` writes the verdicts to
-results/predicted-vs-measured.json; a notebook prints its lesson's rows with `table(rows("06"))`.
+results/predicted-vs-measured.json; a notebook prints its lesson's forecast with `table(rows("06"), measured=False)` before it shows the
+measurement, and the verdicts with `table(rows("06"))` after it.
 
 A miss stays a miss. Its reason is the term the cost model lacks, written in `MISSING_TERMS` once it is
 understood, and the fix is a new term in the model for the whole course, never a wider band for one lesson.
@@ -85,17 +86,63 @@ def rows(lesson: str, folder: Path = RESULTS) -> list[dict]:
     return [] if data is None else [r for r in data["rows"] if r["lesson"] == lesson]
 
 
-def table(lesson_rows: list[dict]) -> str:
-    """Fixed-width: predicted, measured, measured / predicted, and the verdict."""
+def forecast_note(folder: Path = RESULTS) -> str:
+    """When and where the forecast was made, and its one band: the line a notebook prints above its rows."""
+    path = Path(folder) / "predictions.json"
+    if not path.exists():
+        return "no forecast yet: run `python -m minillm.bench predict`, then the suites"
+    forecast = read_json(path)
+    low, high = forecast["band"]
+    commit = (forecast.get("git") or {}).get("commit")
+    return (f"forecast made {forecast['date'][:16].replace('T', ' ')} UTC{f' at commit {commit[:7]}' if commit else ''} "
+            f"on {machine_label(forecast['machine'])}, before the suites ran; a row is inside when measured / "
+            f"predicted lies in {low}-{high}")
+
+
+def table(lesson_rows: list[dict], measured: bool = True) -> str:
+    """Fixed-width: predicted, and (with `measured`) the measurement, measured / predicted and the verdict; without
+    it, the forecast alone, for a notebook to print before it shows the measurement."""
     if not lesson_rows:
         return "no forecast yet: run `python -m minillm.bench predict`, then the suites"
+    if not measured:
+        return "\n".join([f"{'what':44s} {'unit':5s} {'predicted':>10s}",
+                          *(f"{r['what']:44s} {r['unit']:5s} {r['predicted']:10.2f}" for r in lesson_rows)])
     lines = [f"{'what':44s} {'unit':5s} {'predicted':>10s} {'measured':>10s} {'measured/predicted':>18s}  verdict"]
     for r in lesson_rows:
-        measured = "" if r["measured"] is None else f"{r['measured']:10.2f}"
+        value = "" if r["measured"] is None else f"{r['measured']:10.2f}"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:18.2f}"
-        lines.append(f"{r['what']:44s} {r['unit']:5s} {r['predicted']:10.2f} {measured:>10s} {ratio:>18s}  "
+        lines.append(f"{r['what']:44s} {r['unit']:5s} {r['predicted']:10.2f} {value:>10s} {ratio:>18s}  "
                      f"{r['verdict']}{': ' + r['missing_term'] if r.get('missing_term') else ''}")
     return "\n".join(lines)
 
 
-__all__ = ["verdicts", "rows", "table", "MISSING_TERMS"]
+def plot(data: dict, path: Path | None = None, ax=None):
+    """Each compared row's measured / predicted on a log axis, the band shaded: `data` is `verdicts()`. Drawn on
+    `ax`, or on a new figure saved to `path` (report's results/predicted-vs-measured.png)."""
+    import matplotlib.pyplot as plt
+
+    compared = [r for r in data["rows"] if r["ratio"] is not None]
+    figure = None
+    if ax is None:
+        figure, ax = plt.subplots(figsize=(9, 0.26 * len(compared) + 1.4))
+    low, high = data["band"]
+    ax.axvspan(low, high, color="tab:green", alpha=0.12, label=f"the band, {low}-{high}")
+    ax.axvline(1.0, color="gray", linewidth=0.8)
+    y = range(len(compared))
+    colours = ["tab:green" if r["verdict"] == "inside" else "tab:red" for r in compared]
+    ax.scatter([r["ratio"] for r in compared], y, c=colours, zorder=3)
+    ax.set_yticks(list(y), [f"{r['lesson']}: {r['what']}" for r in compared], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("measured / predicted (a time above 1 or a speed below 1: slower than forecast)")
+    ax.set_title(f"{data['inside']} of {data['compared']} rows inside the band "
+                 f"(forecast on {machine_label(data['predicted']['machine'])})", fontsize=9)
+    ax.legend(loc="lower right", fontsize=7)
+    if figure is not None and path is not None:
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+    return ax
+
+
+__all__ = ["verdicts", "rows", "forecast_note", "table", "plot", "MISSING_TERMS"]

@@ -206,8 +206,9 @@ def main(args) -> int:
 
 
 def rewrite_verdicts(folder: Path, check: bool) -> int:
-    """results/predicted-vs-measured.json from the forecast and the results (`predicted_vs_measured.py`); with
-    `check`, exit 1 if the stored verdicts are not what the stored results give."""
+    """results/predicted-vs-measured.json (and its plot, .png) from the forecast and the results
+    (`predicted_vs_measured.py`); with `check`, exit 1 if the stored verdicts are not what the stored results
+    give."""
     verdicts = predicted_vs_measured.verdicts(folder)
     path = Path(folder) / "predicted-vs-measured.json"
     if verdicts is None:
@@ -218,6 +219,8 @@ def rewrite_verdicts(folder: Path, check: bool) -> int:
         print(f"{path} is out of date: run `python -m minillm.bench report`", file=sys.stderr)
         return 1
     write_json(path, verdicts)
+    if verdicts["compared"]:
+        predicted_vs_measured.plot(verdicts, path.with_suffix(".png"))
     print(f"{path}: {verdicts['inside']} of {verdicts['compared']} rows inside {verdicts['band']}")
     return 0
 

@@ -20,15 +20,29 @@ subset construction turns it into a DFA whose states are sets of NFA states, dis
 start state only. A last pass drops every state from which no accepting state can be reached, so
 a state that exists is always a viable prefix: that is what makes a token mask exact.
 
+Bounded work. A count copies its item once per count (`x{1000}`, a JSON string's `minLength`), and
+the subset construction can need exponentially many states (`(a|b)*a(a|b){20}`), so a pattern can
+ask for more than any request should get. Every compile runs under a `Budget`: at most
+`MAX_NFA_STATES` and `MAX_DFA_STATES` states and `MAX_SECONDS` of work, and it stops at once when its
+`cancelled` event is set (the server sets it when the request goes away or the server stops). Past a
+limit it raises `TooLarge`, which says which limit and how to stay under it. (xgrammar keeps a
+pushdown automaton and a counter-free grammar instead of unrolled copies, and outlines refuses
+patterns whose index grows past its own limits.)
+
 The regex syntax itself is parsed into these trees in `regex.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
+MAX_NFA_STATES = 200_000  # about 2 s of Thompson's construction on a 2-core CPU
+MAX_DFA_STATES = 20_000  # about 2 s of the subset construction (a 2,000-character minLength needs 48,000)
+MAX_SECONDS = 10.0  # for anything the two counts let through (a state of many NFA states costs more)
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: UTF-8 cannot encode them
 ALL_BYTES = (1 << 256) - 1  # a set of bytes is a 256-bit integer: bit b set = byte b belongs
@@ -36,6 +50,37 @@ ALL_BYTES = (1 << 256) - 1  # a set of bytes is a 256-bit integer: bit b set = b
 
 class PatternError(ValueError):
     """A pattern this module cannot turn into an automaton; the message names what and where."""
+
+
+class TooLarge(PatternError):
+    """A pattern whose automaton would pass one of its `Budget`'s limits; `limit` names which."""
+
+    def __init__(self, limit: str, message: str):
+        super().__init__(message)
+        self.limit = limit
+
+
+class Cancelled(Exception):
+    """The compile was stopped from outside (its `Budget.cancelled` was set): nobody waits for it any more."""
+
+
+@dataclass
+class Budget:
+    """What one compile may spend: states of either automaton, seconds, and a flag that stops it."""
+
+    max_nfa_states: int = MAX_NFA_STATES
+    max_dfa_states: int = MAX_DFA_STATES
+    seconds: float = MAX_SECONDS
+    cancelled: threading.Event | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def check(self, what: str) -> None:
+        """Raise if the compile was cancelled or has run past its seconds (`what`: the work under way)."""
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise Cancelled(what)
+        if time.monotonic() - self.started > self.seconds:
+            raise TooLarge("seconds", f"the automaton took more than {self.seconds:g} s to build ({what}): "
+                                      "a simpler pattern, or smaller counts, builds in less")
 
 
 # ------------------------------------------------------------------ character sets as UTF-8 byte ranges
@@ -106,11 +151,18 @@ def byte_set(lo: int, hi: int) -> int:
 class NFA:
     """States 0, 1, ...; `edges[s]`: (byte set, target) moves on one byte; `empty[s]`: moves on no byte."""
 
-    def __init__(self):
+    def __init__(self, budget: Budget | None = None):
         self.edges: list[list[tuple[int, int]]] = []
         self.empty: list[list[int]] = []
+        self.budget = budget or Budget()
 
     def new_state(self) -> int:
+        if len(self.edges) % 4096 == 0:
+            if len(self.edges) >= self.budget.max_nfa_states:
+                raise TooLarge("nfa_states", f"the pattern needs more than {self.budget.max_nfa_states:,} automaton "
+                                             "states: a count (x{n}, minLength, maxItems ...) copies its item once per "
+                                             "count; use smaller counts")
+            self.budget.check("Thompson's construction")
         self.edges.append([])
         self.empty.append([])
         return len(self.edges) - 1
@@ -270,9 +322,11 @@ class DFA:
         return bool(self.accepting[state]) and bool((self.transitions[state] < 0).all())
 
 
-def compile_dfa(node: Node) -> DFA:
-    """Thompson's NFA of `node`, then the subset construction, then only states that can still accept."""
-    nfa = NFA()
+def compile_dfa(node: Node, budget: Budget | None = None) -> DFA:
+    """Thompson's NFA of `node`, then the subset construction, then only states that can still accept; within
+    `budget` (the default limits when None)."""
+    budget = budget or Budget()
+    nfa = NFA(budget)
     entry, accept = node.build(nfa)
     closures: dict[int, frozenset[int]] = {}
 
@@ -295,6 +349,13 @@ def compile_dfa(node: Node) -> DFA:
     first = dfa_state([entry])
     ids, order, rows = {first: 0}, [first], []
     while len(rows) < len(order):
+        if len(order) > budget.max_dfa_states:
+            raise TooLarge("dfa_states", f"the automaton passed {budget.max_dfa_states:,} states: a count (x{{n}}, "
+                                         "minLength, maxItems ...) copies its item once per count, and an "
+                                         "alternative followed by a count can double the states per step; use "
+                                         "smaller counts or a simpler pattern")
+        if len(rows) % 64 == 0:
+            budget.check("the subset construction")
         moves: dict[int, set[int]] = {}  # byte set -> targets
         for state in order[len(rows)]:
             for bytes_, target in nfa.edges[state]:
@@ -318,18 +379,35 @@ def compile_dfa(node: Node) -> DFA:
     return pruned(transitions, accepting)
 
 
-def members(byte_class: int) -> list[int]:
-    return [b for b in range(256) if byte_class >> b & 1]
+def members(byte_class: int) -> np.ndarray:
+    """bool [256]: the bytes of a byte set (bit b set = byte b)."""
+    return np.unpackbits(np.frombuffer(byte_class.to_bytes(32, "little"), dtype=np.uint8), bitorder="little") == 1
+
+
+def can_accept(transitions: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """bool [S]: the states from which some string reaches an accepting state. A search backwards from the
+    accepting states over the distinct (state, next state) moves: linear in the moves, where growing the set one
+    step at a time would take as many passes over the table as the longest path has steps."""
+    states = len(accepting)
+    source, byte = np.nonzero(transitions >= 0)
+    moves = np.unique(source.astype(np.int64) * states + transitions[source, byte])
+    source, target = moves // states, moves % states
+    by_target = np.argsort(target, kind="stable")
+    sources, starts = source[by_target], np.searchsorted(target[by_target], np.arange(states + 1))
+    live = accepting.copy()
+    stack = np.nonzero(accepting)[0].tolist()
+    while stack:
+        state = stack.pop()
+        for before in sources[starts[state]:starts[state + 1]].tolist():
+            if not live[before]:
+                live[before] = True
+                stack.append(before)
+    return live
 
 
 def pruned(transitions: np.ndarray, accepting: np.ndarray) -> DFA:
     """Drop the states from which no accepting state can be reached (renumbered, the start kept at 0)."""
-    live = accepting.copy()
-    while True:  # a state is live if some move leads to a live state
-        grown = live | (np.where(transitions >= 0, live[transitions.clip(min=0)], False)).any(axis=1)
-        if (grown == live).all():
-            break
-        live = grown
+    live = can_accept(transitions, accepting)
     if not live[0]:
         raise PatternError("the pattern matches no string: there is nothing to generate")
     new_id = np.cumsum(live) - 1  # old state -> new state, for live ones
@@ -338,5 +416,5 @@ def pruned(transitions: np.ndarray, accepting: np.ndarray) -> DFA:
     return DFA(kept, accepting[live])
 
 
-__all__ = ["Alt", "Chars", "DFA", "NFA", "Node", "PatternError", "Repeat", "Separated", "Seq", "compile_dfa",
-           "literal", "negated", "normalized", "utf8_sequences"]
+__all__ = ["Alt", "Budget", "Cancelled", "Chars", "DFA", "NFA", "Node", "PatternError", "Repeat", "Separated", "Seq",
+           "TooLarge", "compile_dfa", "literal", "negated", "normalized", "utf8_sequences"]

@@ -2,6 +2,7 @@
 
     node = schema_node({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
     dfa = compile_dfa(node)          # minillm.decoding.automaton: the same DFA a regex gives
+    dfa = schema_dfa(schema)         # the same, and past the automaton's limits an error naming the keyword
 
 The supported subset (what OpenAI's strict mode and most application schemas use): `type` (string,
 number, integer, boolean, null, object, array, or a list of them), `properties` / `required` /
@@ -30,7 +31,8 @@ from __future__ import annotations
 
 import json
 
-from .automaton import Alt, Chars, Node, PatternError, Repeat, Separated, Seq, literal, negated
+from .automaton import (DFA, Alt, Budget, Chars, Node, PatternError, Repeat, Separated, Seq, TooLarge, compile_dfa,
+                        literal, negated)
 from .regex import parse_regex
 
 ANY_DEPTH = 4  # how deep free-form JSON (json_object mode) may nest: objects and arrays within objects ...
@@ -45,9 +47,10 @@ TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 class UnsupportedSchema(PatternError):
     """A schema (keyword) outside the supported subset; `keyword` names it for an API error."""
 
-    def __init__(self, keyword: str, where: str, why: str = "is not supported"):
+    def __init__(self, keyword: str, where: str, why: str = "is not supported", list_supported: bool = True):
         place = f" (at {where})" if where else ""
-        super().__init__(f"JSON schema keyword {keyword!r}{place} {why}; supported: {', '.join(sorted(SUPPORTED))}")
+        supported = f"; supported: {', '.join(sorted(SUPPORTED))}" if list_supported else ""
+        super().__init__(f"JSON schema keyword {keyword!r}{place} {why}{supported}")
         self.keyword = keyword
 
 
@@ -146,9 +149,30 @@ def schema_node(schema: dict | bool, any_depth: int = ANY_DEPTH) -> Node:
     return SchemaCompiler(schema, any_depth).node(schema, "", ())
 
 
+def schema_dfa(schema: dict | bool, budget: Budget | None = None) -> DFA:
+    """The schema's automaton, within `budget`. Past a limit the error names the keyword that asked for the most
+    copies (minLength 5000 copies a character 5,000 times), since that is what a user can change."""
+    compiler = SchemaCompiler(schema, ANY_DEPTH)
+    node = compiler.node(schema, "", ())
+    try:
+        return compile_dfa(node, budget)
+    except TooLarge as e:
+        if not compiler.counted:
+            raise
+        count, keyword, where = max(compiler.counted)
+        raise UnsupportedSchema(keyword, where, f"= {count} is too large to compile: {e}",
+                                list_supported=False) from None
+
+
 class SchemaCompiler:
     def __init__(self, root, any_depth: int):
         self.root, self.any_depth = root, any_depth
+        self.counted: list[tuple[int, str, str]] = []  # (count, keyword, where) of every count written
+
+    def counts(self, schema: dict, low: str, high: str, where: str) -> tuple[int, int | None]:
+        least, most = counts(schema, low, high, where)
+        self.counted += [(least, low, where)] + ([(most, high, where)] if most is not None else [])
+        return least, most
 
     def node(self, schema, where: str, refs: tuple[str, ...]) -> Node:
         if schema is True or schema == {}:
@@ -185,7 +209,7 @@ class SchemaCompiler:
 
     def typed(self, kind: str, schema: dict, where: str, refs) -> Node:
         if kind == "string":
-            least, most = counts(schema, "minLength", "maxLength", where)
+            least, most = self.counts(schema, "minLength", "maxLength", where)
             content = None
             if "pattern" in schema:
                 if least or most is not None:
@@ -201,7 +225,7 @@ class SchemaCompiler:
         if kind == "null":
             return NULL
         if kind == "array":
-            least, most = counts(schema, "minItems", "maxItems", where)
+            least, most = self.counts(schema, "minItems", "maxItems", where)
             items = schema.get("items", True)
             return json_array(self.node(items, f"{where}.items", refs), least, most)
         properties = schema.get("properties")
@@ -291,4 +315,5 @@ def without_escapes(node: Node) -> Node:
 JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's response_format {"type": "json_object"}: any object
 
 
-__all__ = ["ANY_DEPTH", "JSON_OBJECT_SCHEMA", "UnsupportedSchema", "any_object", "any_value", "schema_node"]
+__all__ = ["ANY_DEPTH", "JSON_OBJECT_SCHEMA", "UnsupportedSchema", "any_object", "any_value", "schema_dfa",
+           "schema_node"]

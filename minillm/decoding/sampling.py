@@ -44,11 +44,18 @@ class SamplingConfig(GenerationConfig):
     presence_penalty: float = 0.0  # OpenAI semantics: subtracted once from every generated token's logit
     frequency_penalty: float = 0.0  # OpenAI semantics: subtracted per occurrence among generated tokens
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, -100..100) added to the logits first
     json_schema: str | None = None  # structured output: a JSON schema (JSON text; a dict is accepted) to match
     regex: str | None = None  # structured output: a regular expression the whole output must match
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.logit_bias, dict):  # {token id: bias}, keys as ints or as JSON's strings
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        check(isinstance(self.logit_bias, tuple) and all(
+            isinstance(pair, tuple) and len(pair) == 2 and is_int(pair[0]) and pair[0] >= 0 and is_real(pair[1])
+            and -100 <= pair[1] <= 100 for pair in self.logit_bias), "logit_bias", self.logit_bias,
+            "a map from token ids (integers >= 0) to biases in [-100, 100]")
         if isinstance(self.json_schema, (dict, bool)):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         check(self.json_schema is None or is_json_schema(self.json_schema), "json_schema", self.json_schema,
@@ -101,7 +108,7 @@ def is_json_schema(text) -> bool:
 
 
 PROCESSING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty")
+                     "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 # ------------------------------------------------------------------ token history
@@ -146,6 +153,25 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
         return logits
     penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalised, logits)
+
+
+def check_logit_bias(config: SamplingConfig, vocab_size: int) -> None:
+    """Every token a config's logit_bias names lies in the vocabulary (SamplingError naming the first that does
+    not): checked where the vocabulary is known, before any forward."""
+    outside = [token for token, _ in config.logit_bias if token >= vocab_size]
+    check(not outside, "logit_bias", dict(config.logit_bias), f"token ids below {vocab_size} (the vocabulary's size); "
+          f"{outside[0] if outside else ''} is not")
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's logit plus its bias (-100 all but bans a token, +100 all but forces
+    it), before every other processor, as llama.cpp's sampler chain and OpenAI apply it."""
+    if not bias:
+        return logits
+    ids, values = zip(*bias)  # each below the vocabulary's size: `check_logit_bias`, when a sequence is created
+    out = logits.clone()
+    out[..., list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    return out
 
 
 def apply_presence_frequency_penalty(logits, generated_counts, presence: float, frequency: float) -> torch.Tensor:
@@ -206,7 +232,7 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig, history: TokenH
 
     allowed: bool [B, V], the tokens a structured-output constraint allows each row (None: all).
     """
-    logits = logits.float()
+    logits = apply_logit_bias(logits.float(), config.logit_bias)
     if history is not None:
         logits = apply_repetition_penalty(logits, history.seen, config.repetition_penalty)
         logits = apply_presence_frequency_penalty(
@@ -329,6 +355,6 @@ def row_configs(config, n_rows: int, overrides: dict) -> list[SamplingConfig]:
 __all__ = ["row_configs",
     "SamplingConfig", "SamplingError", "TokenHistory", "process_logits", "choose_next", "row_generators",
     "sample_from_probs", "generators_for", "process_rows", "choose_rows", "groups_of_equal_settings",
-    "apply_repetition_penalty", "apply_presence_frequency_penalty", "apply_temperature",
+    "apply_logit_bias", "check_logit_bias", "apply_repetition_penalty", "apply_presence_frequency_penalty", "apply_temperature",
     "apply_top_k", "apply_top_p", "apply_min_p", "SAMPLING_FIELDS",
 ]

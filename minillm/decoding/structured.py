@@ -22,7 +22,6 @@ precomputes the masks of tokens that do not depend on the stack and checks the r
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from collections import OrderedDict
@@ -30,8 +29,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .automaton import DFA, compile_dfa
-from .json_schema import schema_node
+from .automaton import DFA, Budget, compile_dfa
+from .json_schema import schema_dfa
 from .regex import parse_regex
 
 CACHE_SIZE = 32  # compiled (schema or regex, vocabulary) pairs kept
@@ -96,18 +95,23 @@ class TokenIndex:
     whole automaton (`token_live`), and a token is allowed only where it leads to one of them.
     """
 
-    def __init__(self, dfa: DFA, vocabulary: Vocabulary):
+    def __init__(self, dfa: DFA, vocabulary: Vocabulary, budget: Budget | None = None):
         self.dfa, self.vocabulary = dfa, vocabulary
         dead = dfa.num_states  # one more state that every missing move leads to, and never leaves
         self.moves = np.vstack([np.where(dfa.transitions < 0, dead, dfa.transitions),
                                 np.full((1, 256), dead)]).astype(np.int32)  # [S + 1, 256]
         self.masks: dict[int, torch.Tensor] = {}
         used = set(np.nonzero((dfa.transitions >= 0).any(axis=0))[0].tolist())
-        self.live = None if used <= vocabulary.single_bytes else self.token_live()  # bool [S] or None: all
+        self.live = None if used <= vocabulary.single_bytes else self.token_live(budget or Budget())  # or None: all
 
-    def token_live(self) -> np.ndarray:
-        """bool [S]: the states some sequence of tokens leads to an accepting state from (a fixed point)."""
-        after = [self.byte_next_states(state) for state in range(self.dfa.num_states)]
+    def token_live(self, budget: Budget) -> np.ndarray:
+        """bool [S]: the states some sequence of tokens leads to an accepting state from (a fixed point); a walk
+        of the whole vocabulary per state, so it runs within the compile's budget."""
+        after = []
+        for state in range(self.dfa.num_states):
+            if state % 64 == 0:
+                budget.check("which states tokens can finish")
+            after.append(self.byte_next_states(state))
         live = self.dfa.accepting.copy()
         while True:
             grown = live | np.array([bool(live[targets[targets >= 0]].any()) for targets in after])
@@ -206,31 +210,42 @@ def vocabulary_for(tokenizer, vocab_size: int) -> Vocabulary:
     return vocabulary
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def constraint_dfa(kind: str, source: str) -> DFA:
-    """kind "json_schema" (source: the schema as JSON text) or "regex"; cached, as the command line checks a
-    constraint before the model loads and `token_index` builds the same automaton after."""
-    if kind == "json_schema":
-        return compile_dfa(schema_node(json.loads(source)))
-    if kind == "regex":
-        return compile_dfa(parse_regex(source))
-    raise StructuredOutputError(f"unknown constraint kind {kind!r}: use json_schema or regex")
+_dfas: OrderedDict = OrderedDict()
 
 
-def token_index(kind: str, source: str, tokenizer, vocab_size: int) -> TokenIndex:
-    """The compiled index of a schema or regex over a tokenizer's vocabulary, cached (least recently used)."""
+def cached(cache: OrderedDict, key, build):
+    """cache[key], or build() kept there (least recently used out first): built outside the lock, since a compile
+    can take seconds and other schemas' requests should not wait for it."""
+    with _lock:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+    value = build()
+    with _lock:
+        value = cache.setdefault(key, value)
+        while len(cache) > CACHE_SIZE:
+            cache.popitem(last=False)
+    return value
+
+
+def constraint_dfa(kind: str, source: str, cancelled: threading.Event | None = None) -> DFA:
+    """kind "json_schema" (source: the schema as JSON text) or "regex", compiled within the automaton's limits
+    (`Budget`; `cancelled` stops it early) and cached, as the command line checks a constraint before the model
+    loads and `token_index` builds the same automaton after."""
+    if kind not in ("json_schema", "regex"):
+        raise StructuredOutputError(f"unknown constraint kind {kind!r}: use json_schema or regex")
+    budget = Budget(cancelled=cancelled)
+    return cached(_dfas, (kind, source), lambda: schema_dfa(json.loads(source), budget) if kind == "json_schema"
+                  else compile_dfa(parse_regex(source), budget))
+
+
+def token_index(kind: str, source: str, tokenizer, vocab_size: int,
+                cancelled: threading.Event | None = None) -> TokenIndex:
+    """The compiled index of a schema or regex over a tokenizer's vocabulary, cached (least recently used);
+    `cancelled` stops the compile early (`automaton.Cancelled`)."""
     vocabulary = vocabulary_for(tokenizer, vocab_size)
-    key = (kind, source, id(vocabulary))
-    with _lock:
-        if key in _indexes:
-            _indexes.move_to_end(key)
-            return _indexes[key]
-    index = TokenIndex(constraint_dfa(kind, source), vocabulary)
-    with _lock:
-        index = _indexes.setdefault(key, index)
-        while len(_indexes) > CACHE_SIZE:
-            _indexes.popitem(last=False)
-    return index
+    return cached(_indexes, (kind, source, id(vocabulary)), lambda: TokenIndex(
+        constraint_dfa(kind, source, cancelled), vocabulary, Budget(cancelled=cancelled)))
 
 
 def constraint_for(config, tokenizer, vocab_size: int) -> Constraint | None:

@@ -75,13 +75,15 @@ class ModelRunner:
             shapes.append(StepShape.verify(model.config, max_batch, verify_tokens, max_len))
         if cache == "paged":  # the engine's one step that is compiled: every sequence decoding
             shapes = [PagedShape(block_size)]
+        self.kept_problem = None  # with graph="auto": why a kept graph this run could use was not (not "missing")
         if graph == "auto":  # the compiled graphs when they are already built for this run, else eager
-            built = (cache in ("static", "paged") and isinstance(model, torch.nn.Module)
-                     and model.device.type == "cpu"  # a GPU keeps nothing: it compiles and records when asked
-                     and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
-                     and uses_default_attention(model)  # another kernel asked for (lesson 16) runs eagerly
-                     and all(map(compile_model(model, kept=True).is_built, shapes)))
-            graph = "compiled" if built else "eager"
+            eligible = (cache in ("static", "paged") and isinstance(model, torch.nn.Module)
+                        and model.device.type == "cpu"  # a GPU keeps nothing: it compiles and records when asked
+                        and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
+                        and uses_default_attention(model))  # another kernel asked for (lesson 16) runs eagerly
+            problems = [compile_model(model, kept=True).kept_problem(shape) for shape in shapes] if eligible else []
+            graph = "compiled" if eligible and not any(problems) else "eager"
+            self.kept_problem = next((p for p in problems if p not in (None, "missing")), None)
         if graph == "compiled" and cache not in ("static", "paged"):
             raise ValueError(f"compiled graphs run over the static cache (the engine's over the paged one), not "
                              f"cache={cache!r}: use cache='static'")
@@ -119,6 +121,11 @@ class ModelRunner:
             self.build_seconds = compiled.prepare(shapes, self.session)
         else:
             self.session = DecodeSession(model, cache, max_len, max_batch)
+
+    def graph_stats(self) -> dict:
+        """What a run's stats say about its path: the graph that ran, and why a kept graph was not loaded when
+        one is there but damaged (the command line names it rather than calling it unbuilt)."""
+        return {"graph": self.graph, **({"kept_problem": self.kept_problem} if self.kept_problem else {})}
 
     @property
     def device(self):

@@ -36,7 +36,8 @@ import torch
 
 from ..decoding.logprobs import TokenLogprobs, token_logprobs
 from ..decoding.outputs import GenerationEvent, RowOutput
-from ..decoding.sampling import SamplingConfig, TokenHistory, choose_rows, generators_for, process_rows
+from ..decoding.sampling import (SamplingConfig, TokenHistory, check_logit_bias, choose_rows, generators_for,
+                                 process_rows)
 from ..decoding.stopping import RowState
 from ..decoding.structured import Constraint, constraint_for
 
@@ -71,6 +72,7 @@ class Sequence:
                device=None, history: bool | None = None, **fields) -> "Sequence":
         """A new sequence. history: keep the penalties' tables (default: when the config uses penalties)."""
         keep_history = config.uses_penalties if history is None else history
+        check_logit_bias(config, vocab_size)
         (generator,) = generators_for([config], device)
         return cls(list(prompt_ids), config, RowState.for_config(prompt_ids, config, tokenizer), generator,
                    TokenHistory.from_prompts([prompt_ids], vocab_size, device) if keep_history else None,

@@ -190,7 +190,6 @@ def refuse_unsupported(body: SamplingParameters) -> None:
     unsupported = {
         "best_of": getattr(body, "best_of", None) not in (None, 1),
         "suffix": getattr(body, "suffix", None) is not None,
-        "logit_bias": bool(body.logit_bias),
         "tools": bool(getattr(body, "tools", None)),
     }
     for name, used in unsupported.items():
@@ -250,8 +249,13 @@ def sampling_config(body: SamplingParameters, max_new: int, choice: int = 0) -> 
              "frequency_penalty": body.frequency_penalty}
     schema = body.output_schema() if isinstance(body, ChatCompletionRequest) else None
     try:
+        bias = {int(token): value for token, value in (body.logit_bias or {}).items()}  # JSON's keys are strings
+    except ValueError:
+        raise APIError(400, f"logit_bias={body.logit_bias!r} is invalid: its keys must be token ids (integers "
+                            "as strings, e.g. {\"50256\": -100})", param="logit_bias") from None
+    try:
         return SamplingConfig(max_new_tokens=max_new, stop=body.stop or (), eos_token_id=() if body.ignore_eos else None,
-                              do_sample=True, temperature=temperature, json_schema=schema,
+                              do_sample=True, temperature=temperature, json_schema=schema, logit_bias=bias,
                               seed=None if body.seed is None else body.seed + choice,
                               **{name: value for name, value in given.items() if value is not None})
     except SamplingError as e:

@@ -36,6 +36,7 @@ authentication, so exposing it is a decision to make on purpose.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -44,8 +45,10 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from ..decoding.automaton import PatternError
-from ..decoding.outputs import GenerationEvent
+from ..decoding.automaton import Cancelled, PatternError
+from ..decoding.outputs import GenerationEvent, check_prompts
+from ..decoding.sampling import check_logit_bias
+from ..decoding.settings import SamplingError
 from ..decoding.structured import token_index
 from ..runtime.engine import Engine
 from .async_engine import AsyncEngine, EngineFailed, QueueFull
@@ -80,6 +83,16 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int, request_timeout: float):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_model_len, self.request_timeout = max_model_len, request_timeout
+        self.compiles: set[threading.Event] = set()  # one per schema compile under way: set to stop it
+        self.stopping = False
+
+    def stop_compiling(self) -> None:
+        """The server is stopping (SIGTERM): every compile under way stops at its next check and its request is
+        answered 503 at once, so no request is left for the shutdown to cancel; later ones are refused. Safe from
+        a signal handler: it only sets events."""
+        self.stopping = True
+        for cancelled in list(self.compiles):
+            cancelled.set()
 
     async def submit(self, body: SamplingParameters, prompts: list[list[int]]) -> Choices:
         """Check everything, then add one engine request per (prompt, choice): all of them or none."""
@@ -94,6 +107,15 @@ class OpenAIServer:
             for choice in range(body.n):
                 flat.append(prompt)
                 configs.append(sampling_config(body, 1 if scoring_only else budget, choice))
+        vocab_size = self.engine.engine.model.config.vocab_size
+        try:  # before the queue: a bad token id is the client's to fix (400), whether or not the server is busy
+            check_prompts(prompts, self.max_model_len, vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        try:
+            check_logit_bias(configs[0], vocab_size)
+        except SamplingError as e:
+            raise APIError(400, str(e), param="logit_bias") from None
         echo = [self.tokenizer.decode(prompt) for prompt in flat] if getattr(body, "echo", False) else None
         if configs[0].constraint is not None:  # compiled once per schema, off the event loop; then cached
             await self.compile_constraint(configs[0].constraint)
@@ -107,13 +129,25 @@ class OpenAIServer:
             raise APIError(400, " ".join(str(e).split())) from None
 
     async def compile_constraint(self, constraint: tuple[str, str]) -> None:
-        """Build the schema's automaton and token index now (the engine's requests find it cached); a schema
-        outside the supported subset is a 400 naming the keyword."""
+        """Build the schema's automaton and token index now, on a worker thread (the engine's requests find it
+        cached); a schema outside the supported subset, or past the automaton's limits, is a 400 naming the
+        keyword. The compile stops as soon as nobody waits for it (the client left, the server is stopping):
+        a thread cannot be killed, so it is told, and it checks between states."""
         vocab_size = self.engine.engine.model.config.vocab_size
+        cancelled = threading.Event()
+        self.compiles.add(cancelled)
         try:
-            await asyncio.to_thread(token_index, *constraint, self.tokenizer, vocab_size)
+            if self.stopping:
+                raise Cancelled("the server is stopping")
+            await asyncio.to_thread(token_index, *constraint, self.tokenizer, vocab_size, cancelled)
         except PatternError as e:
             raise APIError(400, f"response_format: {e}", param="response_format") from None
+        except Cancelled:
+            raise APIError(503, "the server is stopping: send the request again once it is back",
+                           type="server_overloaded") from None
+        finally:
+            cancelled.set()  # a no-op once it has finished; otherwise the thread stops at its next check
+            self.compiles.discard(cancelled)
 
     async def events(self, choices: Choices, request: Request):
         """(choice index, piece) until every choice has finished; ends overdue choices with "length".
@@ -260,6 +294,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
     async def prometheus_metrics():
         return Response(metrics.render(await engine.call(engine_stats)), media_type=CONTENT_TYPE_LATEST)
 
+    app.state.openai = server  # `python -m minillm.serve`'s SIGTERM handler stops its compiles
     return app
 
 

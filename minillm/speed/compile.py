@@ -50,7 +50,7 @@ from ..model.attention import set_attention_backend
 from .attention_kernels import make_backend
 from .cuda_graph import CapturedStep
 from .graph_forward import CacheStep, graph_ready_copy, refuse_long_rope
-from .graph_store import PackagedStep, graph_key, is_built, load_or_build
+from .graph_store import PackagedStep, graph_key, kept_problem, load_or_build
 from .inductor import check_matmul_kernels, inductor_settings, matmul_kernels
 from .step_shapes import PagedShape, StepShape
 
@@ -100,9 +100,10 @@ class CompiledModel:
         set_attention_backend(graph_model, make_backend("naive"))
         return CacheStep(graph_model).eval()
 
-    def is_built(self, shape: StepShape) -> bool:
-        """Whether a kept package for `shape` is on disk, so `prepare` would load rather than build it."""
-        return is_built(self.model, shape, self.settings_for(shape))
+    def kept_problem(self, shape: StepShape) -> str | None:
+        """None when an intact kept package for `shape` is on disk (so `prepare` would load rather than build it);
+        else "missing", or what is damaged."""
+        return kept_problem(self.model, shape, self.settings_for(shape))
 
     def matmuls_for(self, shape: StepShape | PagedShape) -> str:
         """The kernels that run the matmuls of the step of `shape`: the choice given, or `matmul_kernels`' for the

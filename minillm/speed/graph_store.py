@@ -175,14 +175,17 @@ def graph_key(model, shape: StepShape | PagedShape, settings: dict) -> dict:
             "source_sha256": source_digest(), **machine_code()}
 
 
-def is_built(model, shape: StepShape | PagedShape, settings: dict) -> bool:
-    """Whether an intact package for this model, shape and settings is on disk (nothing is built or loaded).
+def kept_problem(model, shape: StepShape | PagedShape, settings: dict) -> str | None:
+    """Why the package for this model, shape and settings cannot be loaded as it is ("missing", or what is
+    damaged), or None when an intact one is on disk (nothing is built or loaded).
 
     With no package of this shape at all (every eager start before a first build) it says so without
     hashing the weights (a few hundred ms for the default model)."""
     if not any((minillm_home() / "graphs").glob(f"{shape.name}-*")):
-        return False
-    return entry_problem(entry_folder(graph_key(model, shape, settings), shape)) is None
+        return "missing"
+    folder = entry_folder(graph_key(model, shape, settings), shape)
+    problem = entry_problem(folder)
+    return problem if problem in (None, "missing") else f"{folder.name}: {problem}"
 
 
 def package_bytes(folder: Path) -> int:
@@ -267,5 +270,5 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
         remove(built)
 
 
-__all__ = ["PackagedStep", "entry_folder", "entry_problem", "graph_key", "is_built", "load_or_build", "machine_code",
-           "package_bytes", "source_digest", "weights_digest"]
+__all__ = ["PackagedStep", "entry_folder", "entry_problem", "graph_key", "kept_problem", "load_or_build",
+           "machine_code", "package_bytes", "source_digest", "weights_digest"]

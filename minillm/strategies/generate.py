@@ -73,7 +73,7 @@ class Generation:
         self.seqs = [Sequence.create(ids, c, tokenizer=tokenizer, vocab_size=model.config.vocab_size,
                                      device=model.device, id=row) for row, (ids, c) in enumerate(zip(prompt_ids, configs))]
         self.stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)), build_seconds=self.runner.build_seconds,
-                                     extra={"graph": self.runner.graph})
+                                     extra=self.runner.graph_stats())
         self.output: GenerationOutput | None = None
         self.started = False
 

@@ -273,7 +273,7 @@ class SpeculativeGeneration:
         self.prompt_length = len(rows[0])
         runner = self.decoder.runner
         self.stats = GenerationStats(prompt_tokens=len(rows[0]), build_seconds=runner.build_seconds,
-                                     extra={"graph": runner.graph})
+                                     extra=runner.graph_stats())
         self.output: GenerationOutput | None = None
 
     def __iter__(self):
