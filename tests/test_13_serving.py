@@ -469,26 +469,35 @@ def test_serve_command_line_errors_are_one_line(capsys):
     assert "--port 70000" in lines[0] and "Pick another --port" in lines[1] and "--max-num-seqs 0" in lines[2]
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
-def test_serve_command_answers_then_stops_on_a_signal(stop):
-    """`python -m minillm.serve` runs its engine on the main thread and HTTP on another: it answers, SIGTERM
-    ends it cleanly (exit 0) and Ctrl-C in one line (exit 130), never a traceback."""
+def start_serve_command() -> tuple[subprocess.Popen, int]:
+    """`python -m minillm.serve --eager` on a free port, and the port, once it answers (output piped for checks)."""
     from minillm.bench.server import free_port
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "minillm.serve", "--eager", "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
     try:
-        deadline = time.monotonic() + 120
         while True:
             assert process.poll() is None, process.communicate()[1][-2000:]
             try:
                 httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                break
+                return process, port
             except httpx.TransportError:
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.2)
+    except BaseException:
+        process.kill()
+        raise
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_serve_command_answers_then_stops_on_a_signal(stop):
+    """`python -m minillm.serve` runs its engine on the main thread and HTTP on another: it answers, SIGTERM
+    ends it cleanly (exit 0) and Ctrl-C in one line (exit 130), never a traceback."""
+    process, port = start_serve_command()
+    try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         answer = client.completions.create(model="default", prompt="The capital of France is", max_tokens=4,
                                            temperature=0)
@@ -510,21 +519,8 @@ def test_serve_command_stops_on_sigterm_while_a_schema_compiles():
     the server up: SIGTERM ends it cleanly while the compile runs, and the compile stops with its request."""
     import threading
 
-    from minillm.bench.server import free_port
-
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "minillm.serve", "--eager", "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process, port = start_serve_command()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.communicate()[1][-2000:]
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
         schema = {"type": "array", "items": {"type": "string", "maxLength": 1500}}  # tens of thousands of states
         body = {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}

@@ -363,7 +363,7 @@ def test_json_object_has_the_states_the_lesson_quotes():
     ("regex", "(a|b)*a(a|b){16}", "'dfa_states'"),           # 2^17 subsets of an NFA of a few dozen states
 ])
 def test_a_pattern_past_the_automatons_limits_is_refused(kind, source, limit):
-    from minillm.decoding.automaton import Budget, TooLarge
+    from minillm.decoding.limits import Budget, TooLarge
 
     with pytest.raises(TooLarge) as error:
         compile_dfa(parse_regex(source), Budget(max_nfa_states=50_000, max_dfa_states=5_000, seconds=float("inf")))
@@ -389,7 +389,7 @@ def test_a_compile_stops_when_it_is_cancelled_and_when_its_seconds_run_out():
     `Cancelled`, not an error for the user; a budget of no seconds stops it with `TooLarge`."""
     import threading
 
-    from minillm.decoding.automaton import Budget, Cancelled, TooLarge
+    from minillm.decoding.limits import Budget, Cancelled, TooLarge
 
     node = parse_regex("[a-z]{5000}")
     cancelled = threading.Event()

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import json
 
-from .automaton import (DFA, Alt, Budget, Chars, Node, PatternError, Repeat, Separated, Seq, TooLarge, compile_dfa,
-                        literal, negated)
+from .automaton import DFA, Alt, Chars, Node, Repeat, Separated, Seq, compile_dfa, literal, negated
+from .limits import Budget, PatternError, TooLarge
 from .regex import parse_regex
 
 ANY_DEPTH = 4  # how deep free-form JSON (json_object mode) may nest: objects and arrays within objects ...

@@ -29,8 +29,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .automaton import DFA, Budget, compile_dfa
+from .automaton import DFA, compile_dfa
 from .json_schema import schema_dfa
+from .limits import Budget
 from .regex import parse_regex
 
 CACHE_SIZE = 32  # compiled (schema or regex, vocabulary) pairs kept

@@ -45,7 +45,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from ..decoding.automaton import Cancelled, PatternError
+from ..decoding.limits import Cancelled, PatternError
 from ..decoding.outputs import GenerationEvent, check_prompts
 from ..decoding.sampling import check_logit_bias
 from ..decoding.settings import SamplingError
