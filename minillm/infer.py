@@ -346,7 +346,8 @@ def run(args) -> int:
         verify = f" --verify-tokens {out.stats.extra['num_draft_tokens'] + 1}" if args.speculative else ""
         if damaged := out.stats.extra.get("kept_problem"):
             print(f"minillm: decoded eagerly: the kept compiled graph {damaged}, so it was not loaded; "
-                  f"`python -m minillm.compile{verify}` (same --model/--dtype/--quant) builds it again", file=sys.stderr)
+                  f"`python -m minillm.compile{verify}` (same --model/--dtype/--quant) builds it again",
+                  file=sys.stderr)
         else:
             print(f"minillm: decoded eagerly: `python -m minillm.compile{verify}` (same --model/--dtype/--quant) "
                   "builds the compiled graphs once, and later runs load them in seconds and decode faster",

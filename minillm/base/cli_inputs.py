@@ -17,8 +17,9 @@ def command_line_text(text: str, flag: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{flag} is not valid UTF-8 text (character {e.start} is the byte "
-                         f"0x{ord(text[e.start]) - 0xDC00:02X}): pass UTF-8, e.g. convert with iconv -t UTF-8") from None
+        byte = ord(text[e.start]) - 0xDC00  # PEP 383: an undecodable byte b arrives as the code point 0xDC00 + b
+        raise ValueError(f"{flag} is not valid UTF-8 text (character {e.start} is the byte 0x{byte:02X}): pass "
+                         "UTF-8, e.g. convert with iconv -t UTF-8") from None
     return text
 
 

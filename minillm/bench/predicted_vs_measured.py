@@ -5,8 +5,9 @@ is read back from the results file it named, through its figure expression (`fig
 against the one band the forecast stated for the whole course. A row counts only if its measurement is
 later than the forecast and from the same machine: a results file measured before the forecast, or on
 another machine, is named as such, never compared. `python -m minillm.bench report` writes the verdicts to
-results/predicted-vs-measured.json; a notebook prints its lesson's forecast with `table(rows("06"), measured=False)` before it shows the
-measurement, and the verdicts with `table(rows("06"))` after it.
+results/predicted-vs-measured.json; a notebook prints its lesson's forecast with
+`table(rows("06"), measured=False)` before it shows the measurement, and the verdicts with
+`table(rows("06"))` after it.
 
 A miss stays a miss. Its reason is the term the cost model lacks, written in `MISSING_TERMS` once it is
 understood, and the fix is a new term in the model for the whole course, never a wider band for one lesson.
@@ -94,7 +95,8 @@ def forecast_note(folder: Path = RESULTS) -> str:
     forecast = read_json(path)
     low, high = forecast["band"]
     commit = (forecast.get("git") or {}).get("commit")
-    return (f"forecast made {forecast['date'][:16].replace('T', ' ')} UTC{f' at commit {commit[:7]}' if commit else ''} "
+    at_commit = f" at commit {commit[:7]}" if commit else ""
+    return (f"forecast made {forecast['date'][:16].replace('T', ' ')} UTC{at_commit} "
             f"on {machine_label(forecast['machine'])}, before the suites ran; a row is inside when measured / "
             f"predicted lies in {low}-{high}")
 

@@ -355,6 +355,7 @@ def row_configs(config, n_rows: int, overrides: dict) -> list[SamplingConfig]:
 __all__ = ["row_configs",
     "SamplingConfig", "SamplingError", "TokenHistory", "process_logits", "choose_next", "row_generators",
     "sample_from_probs", "generators_for", "process_rows", "choose_rows", "groups_of_equal_settings",
-    "apply_logit_bias", "check_logit_bias", "apply_repetition_penalty", "apply_presence_frequency_penalty", "apply_temperature",
+    "apply_logit_bias", "check_logit_bias", "apply_repetition_penalty", "apply_presence_frequency_penalty",
+    "apply_temperature",
     "apply_top_k", "apply_top_p", "apply_min_p", "SAMPLING_FIELDS",
 ]

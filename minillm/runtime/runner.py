@@ -81,7 +81,7 @@ class ModelRunner:
                         and model.device.type == "cpu"  # a GPU keeps nothing: it compiles and records when asked
                         and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
                         and uses_default_attention(model))  # another kernel asked for (lesson 16) runs eagerly
-            problems = [compile_model(model, kept=True).kept_problem(shape) for shape in shapes] if eligible else []
+            problems = list(map(compile_model(model, kept=True).kept_problem, shapes)) if eligible else []
             graph = "compiled" if eligible and not any(problems) else "eager"
             self.kept_problem = next((p for p in problems if p not in (None, "missing")), None)
         if graph == "compiled" and cache not in ("static", "paged"):
