@@ -124,6 +124,11 @@ def test_matmul_kernels_follow_the_model_and_the_rows():
     assert {matmul_kernels(tiny, rows) for rows in (1, 8, None)} == {"library"}
     assert matmul_kernels(large) == matmul_kernels(quantized) == "generated"
     assert {matmul_kernels(model, rows) for model in (large, quantized) for rows in (4, None)} == {"timed"}
+    # int4 weights: Inductor generates their kernel only with AVX-512; on an AVX2 CPU the library's call is timed too
+    int4 = quantize_model(copy.deepcopy(large), "int4")
+    for capability, kernels in (("AVX512", "generated"), ("AVX2", "timed")):
+        with mock.patch.object(torch.backends.cpu, "get_cpu_capability", return_value=capability):
+            assert (matmul_kernels(int4), matmul_kernels(quantized)) == (kernels, "generated")
     compiled = CompiledModel(large, kept=True)
     assert compiled.settings_for(one_row) == {"matmuls": "generated"}
     assert all(compiled.settings_for(shape) == {"matmuls": "timed"} for shape in (batch, verify, PagedShape(16)))

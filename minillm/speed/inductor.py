@@ -52,6 +52,11 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
                                         54 timed: there the library's call and the generated kernel
                                         trade places by shape, so both are timed
 
+        one row, int4, AVX2 CPU         Inductor has no generated kernel for `_weight_int4pack_mm_for_cpu`
+                                        without AVX-512 (its C++ template offers no choice, and the build
+                                        stops with NoValidChoicesError: `--quant gguf` on the AMD EPYC), so
+                                        there the library's call stays in the running, timed
+
     So one row gets generated kernels, several rows timed ones. A model of a few thousand weights
     (the course's tiny test models) runs no faster with either and would triple its compile time, and
     on a GPU a decode step's matmuls are already cuBLAS kernels streaming near the bandwidth (what
@@ -62,7 +67,14 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
         return "library"
     if sum(tensor.numel() for tensor in itertools.chain(model.parameters(), model.buffers())) < GENERATED_MIN_ELEMENTS:
         return "library"
-    return "generated" if rows == 1 else "timed"
+    if rows == 1 and not (holds_int4_weights(model) and "AVX512" not in torch.backends.cpu.get_cpu_capability()):
+        return "generated"
+    return "timed"
+
+
+def holds_int4_weights(model) -> bool:
+    """Whether a matmul of the model multiplies packed int4 weights (`_weight_int4pack_mm_for_cpu`)."""
+    return any(name.endswith("weight_int4") for name, _ in model.named_buffers())
 
 
 def check_matmul_kernels(matmuls: str | None) -> None:
