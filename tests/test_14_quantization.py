@@ -45,6 +45,7 @@ from minillm.speed.quant import (
     dequantize_int8,
     quantize_int4_groupwise,
     quantize_int8_per_channel,
+    quantize_rows_int8,
 )
 from minillm.speed.quant_gguf import (
     decode_blocks,
@@ -53,7 +54,8 @@ from minillm.speed.quant_gguf import (
     int4_linear_from_blocks,
     int8_linear_from_q8_0,
 )
-from minillm.speed.quant_widen import int4_block, scratch, unpack_int4, widens
+import minillm.speed.quant_widen as quant_widen
+from minillm.speed.quant_widen import EXACT_K, int4_block, int8_product, scratch, unpack_int4, widens
 from minillm.speed.quantize_model import dequantize_model, quantize_model, quantized_modules, weight_bytes
 
 # The default model's matrices (N, K): q/k/v fused, o, gate/up fused, down; and a small odd one.
@@ -148,6 +150,56 @@ def test_many_rows_widen_the_codes_and_agree_with_the_kernel(monkeypatch, kind, 
         assert relative_error(y - linear.bias, kernel) < 2e-2
         widened = rows >= module.widen_rows and (kind == "int8" or (int4_block() and n % int4_block() == 0))
         assert len(calls) - before == widened
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("bf16_hardware", [True, False])
+def test_codes_widen_to_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch, kind, bf16_hardware):
+    """Without bfloat16 dot products (the AMD EPYC) a bfloat16 matmul is PyTorch's generic loop, many times
+    float32's: there the codes widen to float32, from the rows where that wins, and agree with the reference
+    more closely than bfloat16 can."""
+    monkeypatch.setattr(quant_widen, "bfloat16_dot_products", lambda: bf16_hardware)
+    n, k = 960, 576
+    linear = linear_with(n, k, bias=False)
+    module = Int8WeightLinear.from_linear(linear) if kind == "int8" else Int4WeightLinear.from_linear(linear, 32)
+    dtype = torch.bfloat16 if bf16_hardware else torch.float32
+    assert module.widen_rows == quant_widen.WIDEN_FROM_ROWS[dtype][kind]
+    if kind == "int4" and not (int4_block() and n % int4_block() == 0):
+        pytest.skip("this CPU's int4 layout is not one quant_widen reads: the kernel runs at every row count")
+    x = torch.randn(module.widen_rows, k, generator=torch.Generator().manual_seed(1))
+    widened = getattr(quant_widen, f"{kind}_widened_matmul")
+    args = ((module.weight_int8, module.scale) if kind == "int8"
+            else (module.weight_int4, module.scale_and_zero, n, module.group_size))
+    y = widened(x.to(module.compute_dtype), *args)
+    assert y.dtype == dtype
+    bound = 2e-2 if bf16_hardware else 2e-3  # float32 widening: only the activations' rounding to bfloat16
+    assert relative_error(y.float(), F.linear(x, module.dequantized_weight())) < bound
+
+
+def test_int8_product_through_float32_is_exact():
+    """A float32 sum of int8 products is exact while it stays below 2^24: pieces of EXACT_K columns are, one
+    piece of 2 * EXACT_K extreme codes is not (so the split is what makes it exact)."""
+    k = 2 * EXACT_K + 7
+    x = torch.full((16, k), 127, dtype=torch.int8)
+    w = torch.full((32, k), 127, dtype=torch.int8)
+    x[1::2, ::3], w[::5, 1::2] = -127, -128
+    x[4:] = torch.randint(-128, 128, (12, k), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    assert torch.equal(int8_product(x, w), torch._int_mm(x, w.t()))
+    assert not torch.equal((x.float() @ w.float().t()).to(torch.int32), torch._int_mm(x, w.t()))
+
+
+@pytest.mark.parametrize("int8_hardware", [True, False])
+def test_dynamic_int8_takes_the_float32_product_only_without_int8_dot_products(monkeypatch, int8_hardware):
+    monkeypatch.setattr(quant_widen, "int8_dot_products", lambda: int8_hardware)
+    calls = count_calls(monkeypatch, "int8_product")
+    module = DynamicInt8Linear.from_linear(linear_with(576, 1536, bias=False))
+    for rows in (1, quant_widen.INT8_PRODUCT_FROM_ROWS, 64):
+        x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+        before = len(calls)
+        x_scale = module.input_scale(x)
+        exact = torch._int_mm(quantize_rows_int8(x, x_scale), module.weight_int8.t()).float() * x_scale * module.scale
+        assert torch.equal(module(x), exact)
+        assert len(calls) - before == (not int8_hardware and rows >= quant_widen.INT8_PRODUCT_FROM_ROWS)
 
 
 def test_compiled_graphs_keep_the_kernels():

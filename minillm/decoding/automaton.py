@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .limits import Budget, Cancelled, PatternError, TooLarge
+from .limits import Budget, PatternError, TooLarge
 
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: UTF-8 cannot encode them

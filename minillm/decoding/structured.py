@@ -243,7 +243,7 @@ def constraint_dfa(kind: str, source: str, cancelled: threading.Event | None = N
 def token_index(kind: str, source: str, tokenizer, vocab_size: int,
                 cancelled: threading.Event | None = None) -> TokenIndex:
     """The compiled index of a schema or regex over a tokenizer's vocabulary, cached (least recently used);
-    `cancelled` stops the compile early (`automaton.Cancelled`)."""
+    `cancelled` stops the compile early (`limits.Cancelled`)."""
     vocabulary = vocabulary_for(tokenizer, vocab_size)
     return cached(_indexes, (kind, source, id(vocabulary)), lambda: TokenIndex(
         constraint_dfa(kind, source, cancelled), vocabulary, Budget(cancelled=cancelled)))

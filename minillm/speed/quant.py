@@ -24,8 +24,10 @@ int8 needs K a multiple of 16 (otherwise it returns garbage); CPU only.
 
 The kernels stream the codes once per activation row: right for decoding, slow for a
 prefill chunk of hundreds of rows. From `widen_rows` rows on, an eager bfloat16 call
-widens the codes to a dense bfloat16 matrix and runs one matmul instead
-(`minillm.speed.quant_widen`, with the measurements behind the thresholds).
+widens the codes to a dense matrix (bfloat16 where the CPU multiplies it in hardware,
+float32 elsewhere) and runs one matmul instead; dynamic int8 on a CPU without int8 dot
+products computes its exact integer product through float32 (`minillm.speed.quant_widen`,
+with the measurements behind the thresholds).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .quant_widen import int4_block, int4_widened_matmul, int8_widened_matmul, widens
+from .quant_widen import (int4_block, int4_widened_matmul, int8_product, int8_product_here, int8_widened_matmul,
+                          widen_from_rows, widens)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -142,9 +145,12 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8WeightLinear(QuantizedLinear):
-    """Weight-only int8 (per output channel), on `aten._weight_int8pack_mm`; widened from 32 rows on."""
+    """Weight-only int8 (per output channel), on `aten._weight_int8pack_mm`; widened over many rows."""
 
-    widen_rows = 32  # rows from which a bfloat16 call widens the codes (quant_widen: from there widening wins)
+    @property
+    def widen_rows(self) -> int:
+        """Rows from which a bfloat16 call widens the codes on this CPU (quant_widen: from there widening wins)."""
+        return widen_from_rows("int8")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias=None, compute_dtype=torch.bfloat16):
         super().__init__(q.shape[1], q.shape[0], bias)
@@ -171,11 +177,14 @@ class Int4WeightLinear(QuantizedLinear):
     """Weight-only int4 (groupwise, asymmetric), on `aten._weight_int4pack_mm_for_cpu`.
 
     The kernel reads q packed two to a byte in its own layout (`_convert_weight_to_int4pack_for_cpu`)
-    and scale and zero interleaved as [K / group_size, N, 2]. Widened from 64 rows on, where
+    and scale and zero interleaved as [K / group_size, N, 2]. Widened over many rows, where
     this CPU's packed layout is one `quant_widen` reads (N a multiple of its block).
     """
 
-    widen_rows = 64  # rows from which a bfloat16 call widens the codes (quant_widen: from there widening wins)
+    @property
+    def widen_rows(self) -> int:
+        """Rows from which a bfloat16 call widens the codes on this CPU (quant_widen: from there widening wins)."""
+        return widen_from_rows("int4")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias=None,
                  compute_dtype=torch.bfloat16):
@@ -222,7 +231,9 @@ class DynamicInt8Linear(QuantizedLinear):
     """int8 weights (per channel) × int8 activations (per row, scaled at run time) → int32, on `torch._int_mm`.
 
     y = (q_x · q_wᵀ) · s_x · s_w: the integer product is exact, so the only errors are the
-    two roundings. Each row's scale is its own max |x| / 127, computed every step.
+    two roundings. Each row's scale is its own max |x| / 127, computed every step. On a CPU
+    without int8 dot products, several rows take `int8_product`: the same integers through
+    float32, many times faster there.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias=None):
@@ -241,7 +252,9 @@ class DynamicInt8Linear(QuantizedLinear):
     def matmul(self, x):
         x = x.float()
         x_scale = self.input_scale(x)
-        acc = torch._int_mm(quantize_rows_int8(x, x_scale), self.weight_int8.t())  # int32 [rows, N]
+        x_codes = quantize_rows_int8(x, x_scale)
+        acc = (int8_product(x_codes, self.weight_int8) if int8_product_here(x.shape[0])
+               else torch._int_mm(x_codes, self.weight_int8.t()))  # int32 [rows, N]
         return acc.float() * x_scale * self.scale
 
     def dequantized_weight(self):

@@ -1,30 +1,40 @@
-"""Quantized matmuls over many rows: the codes widened to bfloat16 once per call, then one dense matmul (lesson 14).
+"""Quantized matmuls over many rows: the codes widened once per call, then one dense matmul (lesson 14).
 
 PyTorch's weight-only CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
 are built for decoding: they stream the codes once per activation row, so their time
 grows with the rows (a 512-token prompt reads every weight 512 times) and never reaches
 the CPU's matrix units. A prefill chunk is the opposite case: enough rows that the
 matmul, not the weight's bytes, sets the time. There it pays to widen the codes to a
-dense bfloat16 matrix once per call (a pass over 2 bytes per weight) and run the same
-bfloat16 matmul an unquantized model runs (AMX or AVX-512 BF16 through oneDNN).
+dense matrix once per call and run the matmul an unquantized model runs.
 
-Measured on the course's 2-core Xeon, one [1536, 576] weight, 512 rows: the int8 kernel
-6.4 ms, widened 0.83 ms; int4 kernel 5.7 ms, widened 1.1 ms. The int8 paths tie at 16
-rows (0.20 vs 0.16 ms here, the LM head 7.4 vs 9.9 ms) and widening wins from 32 rows
-on, for the head too (14.8 vs 10.2 ms); int4's widening costs more (a nibble split and a
-scale per group) and wins from about 64 rows (0.70 vs 0.57 ms). Those are the row counts
-from which `Int8WeightLinear` and `Int4WeightLinear` widen. The widened matrix lands in a
-buffer kept per thread and reused: allocating it fresh each call page-faults, and
-in a VM those faults cost more than the matmul (26 ms instead of 4 for the head).
+Widened to what depends on the CPU (`widened_dtype`). With bfloat16 dot products (AVX-512
+BF16 or AMX: the course's Xeon) to bfloat16, 2 bytes per weight, through oneDNN. Measured
+there, one [1536, 576] weight, 512 rows: the int8 kernel 6.4 ms, widened 0.83 ms; int4
+kernel 5.7 ms, widened 1.1 ms; widening wins from 32 rows (int8) and about 64 (int4: a
+nibble split and a scale per group cost more). Without them (the AMD EPYC, AVX2 only)
+PyTorch's bfloat16 matmul is a generic loop, and a bfloat16 widening made prefill 10-40x
+slower than the kernels (397 against 9.8 ms for int4 at 256 rows); there the codes widen
+to float32 instead: at 256 rows int8 4.8 against the kernel's 7.9 ms, int4 6.8 against
+8.8, winning from about 64 rows (int8) and 192 (int4) (`WIDEN_FROM_ROWS`). The widened
+matrix lands in a buffer kept per thread and reused: allocating it fresh each call
+page-faults, and in a VM those faults cost more than the matmul (26 ms instead of 4 for
+the head).
 
 The values are the ones the kernels compute (the same codes, scales and zeros) rounded
-to bfloat16 at a different point, so the two paths differ within bfloat16's rounding,
-not more; but the kernels dequantize in float32, and here each int4 weight is rounded to
-bfloat16 and int8's product is rounded before its scale: over 1024-token windows of
-held-out text, perplexity against float32 went from +0.50% to +0.62% (int8) and from
-+0.16% to +0.30% (int4), bfloat16's own error added to the codes' (`bench quant`).
-Compiled and exported graphs keep the kernels: `widens` says no while tracing, so a kept
-graph's code does not depend on this file.
+at a different point, so the two paths differ within bfloat16's rounding, not more; the
+bfloat16 widening rounds each int4 weight to bfloat16 and int8's product before its scale:
+over 1024-token windows of held-out text, perplexity against float32 went from +0.50% to
++0.62% (int8) and from +0.16% to +0.30% (int4) on the Xeon, bfloat16's own error added to
+the codes' (`bench quant`). Compiled and exported graphs keep the kernels: `widens` says no
+while tracing, so a kept graph's code does not depend on this file.
+
+Dynamic int8 multiplies int8 activations by int8 weights (`torch._int_mm`). Without int8
+dot-product instructions (VNNI or AMX) that product is a generic loop too, about 0.3 ms a
+row for a [1536, 576] weight on the EPYC. `int8_product` computes the same integers
+through a float32 matmul instead: a product of two int8 codes is at most 127² = 16129 and
+a float32 holds every integer below 2²⁴, so a sum over at most `EXACT_K` = 1040 such
+products is exact in any order; longer rows are cut into pieces of `EXACT_K`, each exact,
+added as int32. The result equals `torch._int_mm`'s bit for bit, 25x faster at 64 rows.
 
 int4 codes sit in the kernel's packed layout, which this CPU's kernel chose: for a block
 of B output rows (B = 64 with AVX-512, 32 with AVX2) and each input column, B/2 bytes
@@ -41,6 +51,13 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..base.machine import bfloat16_dot_products, int8_dot_products
+
+# Rows from which a widened matmul beats the kernel, by the dtype the codes widen to (measurements above).
+WIDEN_FROM_ROWS = {torch.bfloat16: {"int8": 32, "int4": 64}, torch.float32: {"int8": 64, "int4": 192}}
+EXACT_K = (2 ** 24) // (127 * 127)  # 1040: int8 products a float32 sum holds exactly
+INT8_PRODUCT_FROM_ROWS = 8  # rows from which `int8_product` beats `torch._int_mm` without int8 dot products
+
 _scratch = threading.local()  # each thread's reusable buffers: {(name, shape, dtype): tensor}
 
 
@@ -51,6 +68,16 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     if key not in buffers:
         buffers[key] = torch.empty(shape, dtype=dtype)
     return buffers[key]
+
+
+def widened_dtype() -> torch.dtype:
+    """What codes widen to here: bfloat16 where the CPU multiplies it in hardware, float32 elsewhere."""
+    return torch.bfloat16 if bfloat16_dot_products() else torch.float32
+
+
+def widen_from_rows(kind: str) -> int:
+    """Rows from which a weight-only linear of `kind` ("int8" or "int4") widens its codes on this CPU."""
+    return WIDEN_FROM_ROWS[widened_dtype()][kind]
 
 
 def widens(x: torch.Tensor, compute_dtype: torch.dtype, from_rows: int) -> bool:
@@ -64,14 +91,34 @@ def widens(x: torch.Tensor, compute_dtype: torch.dtype, from_rows: int) -> bool:
 
 
 def int8_widened_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] bfloat16, q int8 [N, K], scale [N] -> x · (q · scale)ᵀ [rows, N] bfloat16.
+    """x [rows, K], q int8 [N, K], scale [N] -> x · (q · scale)ᵀ [rows, N], in `widened_dtype()`.
 
-    The codes (|q| <= 127) are exact in bfloat16; the scale is applied to the product's rows
-    afterwards, as the kernel does.
+    The codes (|q| <= 127) are exact in bfloat16 and float32; the scale is applied to the
+    product's rows afterwards, as the kernel does.
     """
-    weight = scratch("int8", tuple(q.shape), torch.bfloat16)
+    dtype = widened_dtype()
+    weight = scratch("int8", tuple(q.shape), dtype)
     weight.copy_(q)
-    return F.linear(x, weight).mul_(scale)
+    return F.linear(x.to(dtype), weight).mul_(scale.to(dtype))
+
+
+def int8_product(x_codes: torch.Tensor, w_codes: torch.Tensor) -> torch.Tensor:
+    """int8 x [rows, K] times int8 w [N, K] transposed -> int32 [rows, N], equal to `torch._int_mm(x, w.t())`:
+    float32 matmuls over pieces of at most `EXACT_K` columns, each sum exact, added as int32."""
+    k = x_codes.shape[1]
+    weight = scratch("int8-product", tuple(w_codes.shape), torch.float32)
+    weight.copy_(w_codes)
+    x = x_codes.float()
+    total = None
+    for start in range(0, k, EXACT_K):
+        piece = (x[:, start:start + EXACT_K] @ weight[:, start:start + EXACT_K].t()).to(torch.int32)
+        total = piece if total is None else total.add_(piece)
+    return total
+
+
+def int8_product_here(rows: int) -> bool:
+    """Whether `int8_product` should replace `torch._int_mm` for this many rows on this CPU (not while tracing)."""
+    return not torch.compiler.is_compiling() and not int8_dot_products() and rows >= INT8_PRODUCT_FROM_ROWS
 
 
 @functools.cache
@@ -98,18 +145,19 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int, block: int, out: torch.Ten
 
 def int4_widened_matmul(x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor, n: int,
                         group_size: int) -> torch.Tensor:
-    """x [rows, K] bfloat16, the kernel's packed codes and scale_and_zero [K / group, N, 2] -> [rows, N] bfloat16.
+    """x [rows, K], the kernel's packed codes and scale_and_zero [K / group, N, 2] -> [rows, N] in `widened_dtype()`.
 
     w = (q − 8)·scale + zero per group of K, computed as q·scale + (zero − 8·scale) on the
     transposed weight [K, N], whose groups line up with scale_and_zero's first axis.
     """
     k = x.shape[1]
-    block = int4_block()
-    weight_t = unpack_int4(packed, n, k, block, out=scratch("int4", (k, n), torch.bfloat16))
-    scale, zero = scale_and_zero.unbind(-1)  # [K / group, N] each
+    dtype = widened_dtype()
+    weight_t = unpack_int4(packed, n, k, int4_block(), out=scratch("int4", (k, n), dtype))
+    scale, zero = scale_and_zero.float().unbind(-1)  # [K / group, N] each
     groups = weight_t.view(k // group_size, group_size, n)
-    groups.mul_(scale[:, None]).add_((zero.float() - 8 * scale.float())[:, None])
-    return x @ weight_t
+    groups.mul_(scale[:, None].to(dtype)).add_((zero - 8 * scale)[:, None].to(dtype))
+    return x.to(dtype) @ weight_t
 
 
-__all__ = ["widens", "int8_widened_matmul", "int4_block", "unpack_int4", "int4_widened_matmul", "scratch"]
+__all__ = ["WIDEN_FROM_ROWS", "EXACT_K", "widened_dtype", "widen_from_rows", "widens", "int8_widened_matmul",
+           "int8_product", "int8_product_here", "int4_block", "unpack_int4", "int4_widened_matmul", "scratch"]
