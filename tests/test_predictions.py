@@ -90,7 +90,7 @@ def test_a_row_is_compared_only_with_a_later_measurement_on_the_same_machine(tmp
     assert data["rows"][0]["ratio"] == pytest.approx(1.2) and data["rows"][1]["missing_term"]
     assert (data["compared"], data["inside"], data["inside_share"]) == (2, 1, 0.5)
     table = predicted_vs_measured.table(data["rows"])
-    assert "inside" in table and "outside: not yet understood" in table and "measured before the forecast" in table
+    assert "inside" in table and f"outside: {predicted_vs_measured.EAGER_STEP}" in table and "measured before the forecast" in table
     before = predicted_vs_measured.table(data["rows"], measured=False)  # what a notebook prints before measuring
     assert "decode at batch 16" in before and "120.00" not in before and "inside" not in before
     assert "2026-01-02 00:00 UTC" in predicted_vs_measured.forecast_note(tmp_path)

@@ -50,7 +50,7 @@ def when(stamp: str) -> datetime.datetime:
 
 def verdicts(folder: Path = RESULTS) -> dict | None:
     """The forecast's rows, each with its measurement, measured / predicted and its verdict; None before any
-    `python -m minillm.bench predict`."""
+    `python -m minillm.bench predict`. Stamped with the forecast's machine: only measurements from it are compared."""
     folder = Path(folder)
     if not (folder / "predictions.json").exists():
         return None
@@ -60,7 +60,8 @@ def verdicts(folder: Path = RESULTS) -> dict | None:
     sources = {name: read_json(folder / f"{name}.json") for name in {row["source"] for row in forecast["rows"]}
                if (folder / f"{name}.json").exists()}
     rows = [{**row, **judged(row, forecast, sources.get(row["source"]), names, low, high)} for row in forecast["rows"]]
-    return {"predicted": {"date": forecast["date"], "git": forecast["git"], "machine": forecast["machine"]},
+    return {"machine": forecast["machine"],
+            "predicted": {"date": forecast["date"], "git": forecast["git"], "machine": forecast["machine"]},
             "band": [low, high], "rows": rows, **tally(rows),
             "lessons": {lesson: tally([r for r in rows if r["lesson"] == lesson])
                         for lesson in sorted({r["lesson"] for r in rows})}}
