@@ -684,3 +684,98 @@ def test_real_model_server_json_modes(default_model):
 def test_notebook_runs(run_notebook):
     run_notebook("18_structured_output.ipynb", timeout=600)
 
+
+# ------------------------------------------------------------------ tool calls: the reply constrained to a call
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+BRACES = {str(i): -100 for i, piece in enumerate(FULL.pieces) if piece.startswith(b"{")}  # "auto" without a call
+
+
+def test_a_call_or_text_automaton_takes_the_call_branch_exactly_when_the_reply_opens_a_brace():
+    from minillm.decoding.structured import constraint_dfa
+    from minillm.serving.tools import Tools
+
+    tools = Tools.from_request([WEATHER, TIME], "auto")
+    dfa = constraint_dfa("json_schema_or_text", json.dumps(tools.call_schema()))
+    call = {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}
+    assert dfa.accepts(json.dumps(call).encode()) and dfa.accepts(b'{"name": "get_time", "arguments": {}}')
+    assert dfa.accepts("It is sunny, {they say}.".encode())
+    for bad in (b'{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}', b'{"x": 1}', b" {",
+                b'{"name": "nope", "arguments": {}}'):
+        assert not dfa.accepts(bad), bad
+    assert tools.parse_call(json.dumps(call))["function"] == {"name": "get_weather",
+                                                              "arguments": json.dumps(call["arguments"])}
+    assert tools.parse_call("It is sunny") is None and tools.parse_call('{"name": "get_weather"') is None
+    assert Tools.from_request([WEATHER], "none") is None and Tools.from_request(None, None) is None
+
+
+def tool_model(seed: int):
+    """Room for the tools' description in the prompt: a byte-level vocabulary spells it in hundreds of tokens."""
+    return tiny_pair("llama", seed=seed, context_length=1024, vocab_size=FULL.vocab_size)[1]
+
+
+def test_server_tool_calls_required_named_auto_and_streamed():
+    model = tool_model(7)
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    with BackgroundServer(model, FULL, model_name="tiny", max_num_seqs=2, num_blocks=128, block_size=8) as server:
+        def chat(**body):
+            answer = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                                json={"messages": messages, "max_tokens": 80, "temperature": 0, **body})
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]
+
+        for choice, names in (("required", {"get_weather", "get_time"}),
+                              ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})):
+            reply = chat(tools=[WEATHER, TIME], tool_choice=choice)
+            (call,) = reply["message"]["tool_calls"]
+            assert reply["finish_reason"] == "tool_calls" and reply["message"]["content"] is None
+            assert call["type"] == "function" and call["function"]["name"] in names and call["id"].startswith("call_")
+            parameters = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]["function"]["parameters"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
+        text = chat(tools=[WEATHER], logit_bias=BRACES)  # "auto" (the default), a reply that does not open a brace
+        assert text["message"]["content"] and "tool_calls" not in text["message"]
+        assert text["finish_reason"] in ("stop", "length")
+
+        streamed = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 80, "temperature": 0, "stream": True, "tools": [WEATHER, TIME],
+            "tool_choice": "required"})
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        calls = [d["delta"]["tool_calls"] for d in deltas if "tool_calls" in d["delta"]]
+        assert len(calls) == 1 and deltas[-1]["finish_reason"] == "tool_calls"
+        assert calls[0][0]["function"] == chat(tools=[WEATHER, TIME], tool_choice="required")["message"][
+            "tool_calls"][0]["function"]  # streamed as the whole answer gives it
+
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                               "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees, rain"}]
+        followed = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": history, "max_tokens": 4, "tools": [WEATHER], "tool_choice": "none"})
+        assert followed.status_code == 200 and followed.json()["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.parametrize("body,named", [
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice 'sometimes' is invalid"),
+    ({"tools": [{"type": "function"}]}, "tools[0] is invalid"),
+    ({"tools": [WEATHER, WEATHER]}, "a second function named 'get_weather'"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "send one of them"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"when": {"type": "string", "format": "date"}}}}}]}, "'format'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "this server reads text"),
+])
+def test_server_refuses_tool_requests_it_cannot_serve_with_a_400_naming_why(body, named):
+    model = tool_model(5)
+    with BackgroundServer(model, FULL, model_name="tiny", max_num_seqs=2, num_blocks=128, block_size=8) as server:
+        answer = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, **body})
+        assert answer.status_code == 400 and named in answer.json()["error"]["message"], answer.text

@@ -1,10 +1,9 @@
 """The course's cost model (minillm/costmodel/; lessons/cost-model/README.md): exact counts, and the bands it states.
 
 The counts are checked exactly against independent computations (the model's own
-`num_weight_bytes`, the dispatcher's op count, an enumeration of acceptance patterns). The
-predictions are checked against the stored, stamped measurements in results/*.json (nothing
-is timed here), each within the band its lesson states (`minillm.bench.predictions`, the
-table each speed-up notebook shows), with the reason for each gap there.
+`num_weight_bytes`, the dispatcher's op count, an enumeration of acceptance patterns), and the
+stored runs' own accounting against the formulas. The forecast and its verdicts (one band for the
+course, results/predictions.json) are tests/test_predictions.py's.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.bench.cost import results_machine
-from minillm.bench.predictions import LESSONS, comparisons, other_machine
 from minillm.cache.kv_cache import StaticCache
 from minillm.costmodel.model import (
     SMOLLM2_135M,
@@ -144,43 +141,7 @@ def test_predict_is_the_roofline_plus_overhead():
     assert predict(Step(weight_bytes=1, flops=1000, ops=0), machine) == 10.0  # compute-bound
 
 
-# --- Predictions beside the stored measurements, within the bands each lesson states. -------------------------------
-
-@pytest.mark.parametrize("lesson", LESSONS)
-def test_each_lesson_measures_within_the_band_it_states(lesson):
-    """Each speed-up lesson's prediction beside results/ (`minillm.bench.predictions`, the table its notebook shows):
-    measured / predicted lies in the band the lesson states, with the reason for the gap beside it."""
-    if why := other_machine(lesson):
-        pytest.skip(why)  # a suite awaiting its re-run (tests/test_lessons.py's AWAITING_RERUN lists them)
-    rows = comparisons(lesson)
-    assert rows, f"lesson {lesson} compares nothing"
-    assert [(row.what, round(row.ratio, 2), row.band) for row in rows if not row.within] == []
-
-
-def test_a_measurement_outside_its_band_is_named(tmp_path):
-    """The band test can fail: a cached step measured 4x slower than stored falls outside lesson 06's band."""
-    for path in RESULTS.glob("*.json"):
-        (tmp_path / path.name).write_text(path.read_text())
-    data = stored("cache-scaling")
-    data["rows"][0]["static cache"] *= 4
-    (tmp_path / "cache-scaling.json").write_text(json.dumps(data))
-    outside = [row.what for row in comparisons("06", tmp_path) if not row.within]
-    assert f"cached step at {data['rows'][0]['length']}" in outside
-
-
-def test_the_rows_are_the_cost_model_applied_to_the_stored_runs():
-    """Spot checks against the formulas: lesson 06's no-cache row is `predict` of a no-cache step on the results'
-    machine, and lesson 08's verify rows divide a (k+1)-token step by a one-token step."""
-    machine = results_machine(stored("decode"), stored("cost"))
-    length = stored("cache-scaling")["rows"][0]["length"]
-    row = next(r for r in comparisons("06") if r.what == f"no cache at {length}")
-    assert row.predicted == pytest.approx(predict(decode_step(SMOLLM2_135M, context=length, cache="none"),
-                                                  machine) * 1e3)
-    verify = next(r for r in comparisons("08") if r.what.startswith("verify 5 tokens"))
-    assert verify.predicted == pytest.approx(predict(decode_step(SMOLLM2_135M, context=200, tokens_per_row=5), machine)
-                                             / predict(decode_step(SMOLLM2_135M, context=200), machine))
-    assert verify.measured == stored("speculative")["verify_cost"]["4"]
-
+# --- The stored runs' own accounting. ------------------------------------------------------------------------------
 
 def test_every_stored_speculative_prediction_is_the_current_formula():
     """results/speculative.json stores each run's predicted speed-up; notebook 08 prints it beside the table of

@@ -118,12 +118,12 @@ def render(results: dict, folder: Path, readme_dir: Path, suites=SECTIONS) -> st
 
 
 def bandwidth_probes(results: dict, machine: dict, folder: Path) -> dict[str, float]:
-    """Each CPU suite's peak read bandwidth probe (GB/s) on `machine`, the cost model's constants
-    (`python -m minillm.bench.cost`, in `folder`) among them: one probe on a shared VM swings by half, so a
-    section that divides by its own can say what the others measured."""
+    """Each CPU suite's peak read bandwidth probe (GB/s) on `machine`, the forecast's constants
+    (`python -m minillm.bench predict`, results/predictions.json in `folder`) among them: one probe on a shared
+    VM swings by half, so a section that divides by its own can say what the others measured."""
     probes = {}
-    cost = folder / "cost.json"
-    for name, data in [*results.items(), ("cost", read_json(cost) if cost.exists() else None)]:
+    forecast = folder / "predictions.json"
+    for name, data in [*results.items(), ("predict", read_json(forecast) if forecast.exists() else None)]:
         if data is None or "/" in name or machine_label(data["machine"]) != machine_label(machine):
             continue
         gb_s = data.get("memory_bandwidth_gb_s") or data.get("machine_constants", {}).get("bandwidth_gb_s")

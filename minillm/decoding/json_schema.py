@@ -149,11 +149,21 @@ def schema_node(schema: dict | bool, any_depth: int = ANY_DEPTH) -> Node:
     return SchemaCompiler(schema, any_depth).node(schema, "", ())
 
 
-def schema_dfa(schema: dict | bool, budget: Budget | None = None) -> DFA:
-    """The schema's automaton, within `budget`. Past a limit the error names the keyword that asked for the most
-    copies (minLength 5000 copies a character 5,000 times), since that is what a user can change."""
+# Text that cannot be the start of a JSON value's object: its first character is not "{" nor whitespace. The other
+# branch of "JSON matching a schema, or text" (a tool call or a reply, `minillm.serving.tools`).
+TEXT_NOT_AN_OBJECT = Seq((Chars(negated([(ord("{"), ord("{")), (ord(" "), ord(" ")), (0x09, 0x0D)])),
+                          Repeat(Chars(negated(())))))
+
+
+def schema_dfa(schema: dict | bool, budget: Budget | None = None, or_text: bool = False) -> DFA:
+    """The schema's automaton, within `budget`; with `or_text`, text that does not begin with "{" is accepted
+    too (so the schema's branch is taken exactly when the output begins with "{"). Past a limit the error names
+    the keyword that asked for the most copies (minLength 5000 copies a character 5,000 times), since that is
+    what a user can change."""
     compiler = SchemaCompiler(schema, ANY_DEPTH)
     node = compiler.node(schema, "", ())
+    if or_text:
+        node = Alt((node, TEXT_NOT_AN_OBJECT))
     try:
         return compile_dfa(node, budget)
     except TooLarge as e:

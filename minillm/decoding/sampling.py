@@ -47,6 +47,7 @@ class SamplingConfig(GenerationConfig):
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, -100..100) added to the logits first
     json_schema: str | None = None  # structured output: a JSON schema (JSON text; a dict is accepted) to match
     regex: str | None = None  # structured output: a regular expression the whole output must match
+    or_text: bool = False  # with json_schema: text that does not begin with "{" is allowed too (tool_choice auto)
 
     def __post_init__(self):
         super().__post_init__()
@@ -64,6 +65,8 @@ class SamplingConfig(GenerationConfig):
               "None or a non-empty regular expression")
         check(self.json_schema is None or self.regex is None, "regex", self.regex,
               "None when json_schema is set (one constraint per request)")
+        check(not self.or_text or self.json_schema is not None, "or_text", self.or_text,
+              "False unless json_schema is set (it widens a schema to 'the schema or text')")
         check(isinstance(self.do_sample, bool), "do_sample", self.do_sample, "True or False")
         check(is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
               "a finite number >= 0 (0 means greedy)")
@@ -91,7 +94,7 @@ class SamplingConfig(GenerationConfig):
     def constraint(self) -> tuple[str, str] | None:
         """("json_schema", schema text) or ("regex", pattern): what the output must match (None: anything)."""
         if self.json_schema is not None:
-            return ("json_schema", self.json_schema)
+            return ("json_schema_or_text" if self.or_text else "json_schema", self.json_schema)
         return ("regex", self.regex) if self.regex is not None else None
 
     def processing_key(self) -> tuple:

@@ -230,14 +230,15 @@ def cached(cache: OrderedDict, key, build):
 
 
 def constraint_dfa(kind: str, source: str, cancelled: threading.Event | None = None) -> DFA:
-    """kind "json_schema" (source: the schema as JSON text) or "regex", compiled within the automaton's limits
+    """kind "json_schema" (source: the schema as JSON text), "json_schema_or_text" (that, or text not beginning
+    with "{": a tool call or a reply) or "regex", compiled within the automaton's limits
     (`Budget`; `cancelled` stops it early) and cached, as the command line checks a constraint before the model
     loads and `token_index` builds the same automaton after."""
-    if kind not in ("json_schema", "regex"):
-        raise StructuredOutputError(f"unknown constraint kind {kind!r}: use json_schema or regex")
+    if kind not in ("json_schema", "json_schema_or_text", "regex"):
+        raise StructuredOutputError(f"unknown constraint kind {kind!r}: use json_schema, json_schema_or_text or regex")
     budget = Budget(cancelled=cancelled)
-    return cached(_dfas, (kind, source), lambda: schema_dfa(json.loads(source), budget) if kind == "json_schema"
-                  else compile_dfa(parse_regex(source), budget))
+    return cached(_dfas, (kind, source), lambda: compile_dfa(parse_regex(source), budget) if kind == "regex"
+                  else schema_dfa(json.loads(source), budget, or_text=kind == "json_schema_or_text"))
 
 
 def token_index(kind: str, source: str, tokenizer, vocab_size: int,

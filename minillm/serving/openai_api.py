@@ -22,6 +22,8 @@ Requests. Bodies are read with pydantic (types), then minillm's own checks (rang
     chat response_format            json_object: json_schema={"type": "object"}; json_schema: its "schema"
                                     (structured output, lesson 18; a keyword outside the subset is a 400
                                     naming it)
+    logit_bias                      logit_bias: {token id: -100..100}, added before every other processor
+    chat tools, tool_choice         the reply constrained to a call or text (`minillm.serving.tools`)
 
 OpenAI samples by default (temperature 1); send `temperature: 0` for greedy decoding.
 Logprobs are those of the distribution each token was drawn from (`minillm.decoding.logprobs`);
@@ -121,21 +123,51 @@ class CompletionRequest(SamplingParameters):
         return {"top_logprobs": self.logprobs, "prompt_top_logprobs": self.logprobs if self.echo else None}
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list | None = None  # an assistant turn that called tools (minillm.serving.tools)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"this server reads text: a content part of type {part.type!r} cannot be "
+                                        'read; send {"type": "text", "text": ...} parts only', param="messages")
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def turn(self) -> dict:
+        """The message as the chat template reads it: OpenAI's "developer" role is the system role of older models
+        and of every template here; an assistant turn that called tools holds the calls' JSON (one per line), as
+        the model was asked to write them."""
+        content = self.text()
+        if self.tool_calls:
+            content = "\n".join(filter(None, [content, *map(call_json, self.tool_calls)]))
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+def call_json(call) -> str:
+    """One earlier tool call as `{"name": ..., "arguments": {...}}`."""
+    function = call.get("function") if isinstance(call, dict) else None
+    try:
+        arguments = json.loads(function.get("arguments") or "{}") if isinstance(function, dict) else None
+    except (TypeError, ValueError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise APIError(400, "an assistant message's tool_calls must each be {\"type\": \"function\", \"function\": "
+                            "{\"name\": ..., \"arguments\": a JSON object as text}}", param="messages")
+    return json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
 
 
 class ChatCompletionRequest(SamplingParameters):
@@ -144,7 +176,8 @@ class ChatCompletionRequest(SamplingParameters):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: list | None = None  # functions the model may call (minillm.serving.tools)
+    tool_choice: str | dict | None = None  # "none", "auto" (the default with tools), "required", or one function
     response_format: dict | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -190,7 +223,6 @@ def refuse_unsupported(body: SamplingParameters) -> None:
     unsupported = {
         "best_of": getattr(body, "best_of", None) not in (None, 1),
         "suffix": getattr(body, "suffix", None) is not None,
-        "tools": bool(getattr(body, "tools", None)),
     }
     for name, used in unsupported.items():
         if used:
@@ -199,13 +231,12 @@ def refuse_unsupported(body: SamplingParameters) -> None:
         raise APIError(400, f"n={body.n} is invalid: must be between 1 and {MAX_CHOICES}", param="n")
 
 
-def chat_prompt(messages: list[Message], tokenizer) -> str:
-    """The conversation through the model's chat template, ending where the assistant's reply begins."""
+def chat_prompt(turns: list[dict], tokenizer) -> str:
+    """The conversation (`Message.turn`s) through the model's chat template, ending where the assistant's reply
+    begins."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "this model has no chat template: use /v1/completions with a plain prompt",
                        param="messages")
-    # OpenAI's "developer" role is the system role of older models and of every chat template here.
-    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     return tokenizer.apply_chat_template(turns, add_generation_prompt=True)
 
 
@@ -241,13 +272,19 @@ def max_new_tokens(body: SamplingParameters, prompt_tokens: int, max_model_len: 
     return requested
 
 
-def sampling_config(body: SamplingParameters, max_new: int, choice: int = 0) -> SamplingConfig:
-    """minillm's settings for one choice of the request (see the module docstring for the mapping)."""
+def sampling_config(body: SamplingParameters, max_new: int, choice: int = 0, tools=None) -> SamplingConfig:
+    """minillm's settings for one choice of the request (see the module docstring for the mapping); `tools`
+    (`minillm.serving.tools.Tools`, or None) constrains the reply to a call, or to a call or text."""
     temperature = 1.0 if body.temperature is None else body.temperature
     given = {"top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
              "repetition_penalty": body.repetition_penalty, "presence_penalty": body.presence_penalty,
              "frequency_penalty": body.frequency_penalty}
     schema = body.output_schema() if isinstance(body, ChatCompletionRequest) else None
+    if tools is not None:
+        if schema is not None:
+            raise APIError(400, "response_format and tools both shape the reply: send one of them",
+                           param="response_format")
+        schema, given["or_text"] = json.dumps(tools.call_schema()), tools.text_allowed
     try:
         bias = {int(token): value for token, value in (body.logit_bias or {}).items()}  # JSON's keys are strings
     except ValueError:
@@ -282,7 +319,12 @@ def completion_choice(index: int, text: str, reason: str | None, logprobs: dict 
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
-def chat_choice(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+def chat_choice(index: int, text: str, reason: str | None, logprobs: dict | None = None,
+                tool_call: dict | None = None) -> dict:
+    """One chat choice: its text, or the tool call it is (`minillm.serving.tools`)."""
+    if tool_call is not None:
+        return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                "logprobs": logprobs, "finish_reason": "tool_calls"}
     return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason(reason)}
 

@@ -68,11 +68,13 @@ from .openai_api import (
     completion_logprobs,
     completion_prompts,
     envelope,
+    finish_reason,
     max_new_tokens,
     new_id,
     refuse_unsupported,
     sampling_config,
 )
+from .tools import Tools, turns_with_tools
 
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /stats, /metrics"
 
@@ -94,7 +96,7 @@ class OpenAIServer:
         for cancelled in list(self.compiles):
             cancelled.set()
 
-    async def submit(self, body: SamplingParameters, prompts: list[list[int]]) -> Choices:
+    async def submit(self, body: SamplingParameters, prompts: list[list[int]], tools: Tools | None = None) -> Choices:
         """Check everything, then add one engine request per (prompt, choice): all of them or none."""
         if body.model is not None:
             check_model_name(body.model, self.model_name)
@@ -106,7 +108,7 @@ class OpenAIServer:
             budget = max_new_tokens(body, len(prompt), self.max_model_len)
             for choice in range(body.n):
                 flat.append(prompt)
-                configs.append(sampling_config(body, 1 if scoring_only else budget, choice))
+                configs.append(sampling_config(body, 1 if scoring_only else budget, choice, tools))
         vocab_size = self.engine.engine.model.config.vocab_size
         try:  # before the queue: a bad token id is the client's to fix (400), whether or not the server is busy
             check_prompts(prompts, self.max_model_len, vocab_size)
@@ -177,13 +179,13 @@ class OpenAIServer:
                 left.discard(item.row)
             yield choices.record(item)
 
-    async def complete(self, body, prompts: list[list[int]], request: Request, kind: str):
+    async def complete(self, body, prompts: list[list[int]], request: Request, kind: str, tools: Tools | None = None):
         """The non-streaming answer, or a StreamingResponse; kind is "text_completion" or "chat.completion"."""
-        choices = await self.submit(body, prompts)
+        choices = await self.submit(body, prompts, tools)
         response_id = new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         if body.stream:
-            chunks = (self.completion_chunks if kind == "text_completion" else self.chat_chunks)(
-                body, choices, request, response_id)
+            chunks = (self.completion_chunks(body, choices, request, response_id) if kind == "text_completion"
+                      else self.chat_chunks(body, choices, request, response_id, tools))
             return StreamingResponse(sse(chunks, lambda: self.engine.abort(choices.submitted.ids)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -199,7 +201,8 @@ class OpenAIServer:
                        for i, whole in enumerate(choices.whole)]
         else:
             answers = [chat_choice(i, whole.text, whole.finish_reason,
-                                   chat_logprobs(whole.logprobs, self.tokenizer) if choices.with_logprobs else None)
+                                   chat_logprobs(whole.logprobs, self.tokenizer) if choices.with_logprobs else None,
+                                   tools.parse_call(whole.text) if tools else None)
                        for i, whole in enumerate(choices.whole)]
         return envelope(kind, response_id, self.model_name, answers, choices.usage())
 
@@ -216,11 +219,27 @@ class OpenAIServer:
         if body.include_usage():
             yield envelope("text_completion", response_id, self.model_name, [], choices.usage())
 
-    async def chat_chunks(self, body, choices: Choices, request: Request, response_id: str):
+    async def chat_chunks(self, body, choices: Choices, request: Request, response_id: str, tools: Tools | None):
+        """Chat deltas as the tokens become text. With tools, a choice that is (or, under "auto", begins as) a
+        call is held back and sent as one `tool_calls` delta once whole: its arguments are only valid JSON then."""
         kind = "chat.completion.chunk"
+        held: dict[int, str] = {}  # choice -> the call's text so far
         for i in range(len(choices.whole)):
             yield envelope(kind, response_id, self.model_name, [chat_delta(i, {"role": "assistant", "content": ""})])
+            if tools and not tools.text_allowed:
+                held[i] = ""
         async for i, piece in self.events(choices, request):
+            if tools and tools.text_allowed and choices.whole[i].text == piece.text and piece.text.startswith("{"):
+                held[i] = ""  # the first text of an "auto" reply: "{" begins a call (the mask allows nothing else)
+            if i in held:
+                held[i] += piece.text
+                if piece.finish_reason:
+                    call = tools.parse_call(held[i])
+                    delta = {"tool_calls": [{"index": 0, **call}]} if call else {"content": held[i]}
+                    yield envelope(kind, response_id, self.model_name, [chat_delta(i, delta)])
+                    reason = "tool_calls" if call else finish_reason(piece.finish_reason)
+                    yield envelope(kind, response_id, self.model_name, [{**chat_delta(i, {}), "finish_reason": reason}])
+                continue
             if piece.text or (choices.with_logprobs and piece.token_ids):
                 logprobs = chat_logprobs(piece.logprobs, self.tokenizer) if choices.with_logprobs else None
                 yield envelope(kind, response_id, self.model_name, [chat_delta(i, {"content": piece.text}, None,
@@ -270,8 +289,9 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prompt = chat_prompt(body.messages, tokenizer)
-        return await server.complete(body, [tokenizer.encode(prompt)], request, "chat.completion")
+        tools = Tools.from_request(body.tools, body.tool_choice)
+        prompt = chat_prompt(turns_with_tools([message.turn() for message in body.messages], tools), tokenizer)
+        return await server.complete(body, [tokenizer.encode(prompt)], request, "chat.completion", tools)
 
     @app.get("/v1/models")
     async def models():
