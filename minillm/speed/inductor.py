@@ -15,6 +15,8 @@ from unittest import mock
 
 import torch
 
+from .quant import Int4WeightLinear
+
 GENERATED_MIN_ELEMENTS = 1_000_000  # weights and buffers: a smaller model keeps the library's (`matmul_kernels`)
 # What runs a compiled step's weight matmuls: the library's call (MKL or oneDNN on a CPU, cuBLAS on a GPU),
 # a kernel Inductor generates for each weight's exact shape, or both, timed on the spot and the faster kept.
@@ -74,7 +76,7 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
 
 def holds_int4_weights(model) -> bool:
     """Whether a matmul of the model multiplies packed int4 weights (`_weight_int4pack_mm_for_cpu`)."""
-    return any(name.endswith("weight_int4") for name, _ in model.named_buffers())
+    return any(isinstance(module, Int4WeightLinear) for module in model.modules())
 
 
 def check_matmul_kernels(matmuls: str | None) -> None:
