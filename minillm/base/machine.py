@@ -29,12 +29,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset((cpuinfo_field("flags") or "").split())
 
 
+@functools.cache
 def bfloat16_dot_products() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX): without, PyTorch's bfloat16
     matmuls take a generic path, 5-6x slower than float32's over hundreds of rows (on the AMD EPYC)."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+@functools.cache
 def int8_dot_products() -> bool:
     """Whether this CPU has int8 dot-product instructions (VNNI or AMX): without, `torch._int_mm` runs
     about 0.3 ms per row of a [1536, 576] weight (on the AMD EPYC), 10-25x float32's matmul."""
