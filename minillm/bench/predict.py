@@ -115,10 +115,13 @@ def forecasts(machine: Machine) -> list[dict]:
 
 
 def constants(machine: Machine) -> dict:
+    """The machine's constants in readable units; an attention curve is named "batch x queries"."""
     return {"bandwidth_gb_s": machine.bandwidth / 1e9, "peak_gflops": machine.peak_flops / 1e9,
             "op_us": machine.op_seconds * 1e6, "sync_us": machine.sync_seconds * 1e6,
             "linear_ns_per_byte": {dtype: {str(rows): seconds * 1e9 for rows, seconds in curve}
-                                   for dtype, curve in machine.linear.items()}}
+                                   for dtype, curve in machine.linear.items()},
+            "attention_us_per_call": {f"{batch} x {queries}": {str(keys): seconds * 1e6 for keys, seconds in curve}
+                                      for (batch, queries), curve in machine.attention.items()}}
 
 
 def machine_of(data: dict) -> Machine:
@@ -126,7 +129,9 @@ def machine_of(data: dict) -> Machine:
     c = data["machine_constants"]
     return Machine(c["bandwidth_gb_s"] * 1e9, c["peak_gflops"] * 1e9, c["op_us"] * 1e-6, c["sync_us"] * 1e-6,
                    {dtype: tuple((int(rows), ns * 1e-9) for rows, ns in curve.items())
-                    for dtype, curve in c["linear_ns_per_byte"].items()})
+                    for dtype, curve in c["linear_ns_per_byte"].items()},
+                   {tuple(int(n) for n in name.split(" x ")): tuple((int(keys), us * 1e-6) for keys, us in curve.items())
+                    for name, curve in c.get("attention_us_per_call", {}).items()})
 
 
 def run(args) -> dict:

@@ -2,16 +2,19 @@
 
     predict(step) = work(step) + ops * op_seconds + syncs * sync_seconds
     work(step)    = max(bytes / bandwidth, flops / peak_flops)           (the roofline: generated kernels)
-                  = weight_bytes * library(rows) + the rest at the roofline   (eager: the matrix library)
+                  = weight_bytes * library(rows) + n_layer * sdpa(batch, queries, keys)
+                    + activations at the roofline                               (eager: the libraries' kernels)
 
 The roofline: a step cannot finish before the machine has read what it reads (weights, KV
-cache, activations) or done its arithmetic, whichever takes longer; an eager step's weight
-matrices run at the library's probed speed at its rows instead (`Machine.linear`). The
-rest is overhead the roofline does not see: every eager PyTorch op is a Python call and a
-dispatch (a kernel launch on a GPU), and every `.item()` waits for the device. The step's
-counts come from the model's config by formula (`decode_step`, `packed_step`); the machine's
-four constants come from the probes in `probes.py`. Nothing here is timed, so a prediction
-is made before the measurement it predicts (lessons/cost-model/README.md).
+cache, activations) or done its arithmetic, whichever takes longer. An eager step calls library
+kernels instead, and those are priced at their probed speed: its weight matrices at the matrix
+library's speed for matrices of the model's shapes at its rows (`Machine.linear`), its attention at
+what one `scaled_dot_product_attention` call over that many keys takes (`Machine.attention`). The
+rest is overhead the roofline does not see: every eager PyTorch op is a Python call and a dispatch
+(a kernel launch on a GPU), and every `.item()` waits for the device. The step's counts come from
+the model's config by formula (`decode_step`, `packed_step`); the machine's constants come from the
+probes in `probes.py`. Nothing here times a step, so a prediction is made before the measurement it
+predicts (lessons/cost-model/README.md).
 """
 
 from __future__ import annotations
@@ -44,15 +47,38 @@ SMOLLM2_135M = ModelConfig(vocab_size=49152, context_length=8192, n_layer=30, n_
                            qkv_bias=False)
 
 
+def log_interpolate(curve, x: float, beyond: str = "proportional") -> float | None:
+    """The curve's value at `x`, log-linear between its (x, y) points; None for an empty curve.
+
+    Below the first point: the first value (a kernel does not get cheaper than its smallest probed call).
+    Past the last: the last value scaled by x / last x (`beyond` 'proportional': the work grows with x there).
+    """
+    curve = sorted(curve)
+    if not curve:
+        return None
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            share = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + share * (math.log(y1) - math.log(y0)))
+    last_x, last = curve[-1]
+    return last * x / last_x
+
+
 @dataclass(frozen=True)
 class Machine:
     """What a machine can do: read bandwidth (bytes/s), peak arithmetic (flop/s), cost of an op and of a sync, and
-    how fast its matrix library multiplies a few rows by a weight matrix.
+    how fast its libraries run the two kernels an eager step spends most of its time in.
 
-    `linear[dtype]` is a curve of (rows, seconds per weight byte) points from `probes.measure_linear_rates`: a
-    library matrix-vector product rarely streams its weights at the bandwidth a plain sum reaches, and a matrix
-    product over a few rows is neither memory- nor compute-bound at its peak. Empty when only the four scalar
-    constants are known; then every step is priced by the roofline alone.
+    `linear[dtype]` is a curve of (rows, seconds per weight byte) points from `probes.measure_linear_rates` over
+    matrices of the model's own block shapes, and `linear[dtype + " head"]` the same for its LM head: a library
+    matrix-vector product rarely streams its weights at the bandwidth a plain sum reaches, how near it comes
+    depends on the matrix's shape, and a product over a few rows is neither memory- nor compute-bound at its
+    peak. `attention[(batch, queries)]` is a curve of (keys, seconds per call) points from
+    `probes.measure_attention_seconds`: one attention call of `batch` rows with `queries` new tokens each over
+    that many cached keys, for one layer. Both empty when only the four scalar constants are known; then every
+    step is priced by the roofline alone.
     """
 
     bandwidth: float
@@ -60,20 +86,25 @@ class Machine:
     op_seconds: float
     sync_seconds: float
     linear: dict = field(default_factory=dict, hash=False, compare=False)
+    attention: dict = field(default_factory=dict, hash=False, compare=False)
 
-    def linear_seconds_per_byte(self, dtype: str, rows: int) -> float | None:
-        """The library's time per weight byte at `rows` rows (log-linear between probed row counts), or None."""
-        curve = sorted(self.linear.get(dtype, ()))
-        if not curve:
+    def linear_seconds_per_byte(self, dtype: str, rows: int, part: str = "block") -> float | None:
+        """The library's time per weight byte of a block matrix (`part` 'block') or of the LM head ('head') at
+        `rows` rows, log-linear between probed row counts and compute-bound past them; None if not probed.
+        The head falls back on the block curve where it was not probed apart."""
+        curve = self.linear.get(f"{dtype} head", ()) if part == "head" else ()
+        return log_interpolate(curve or self.linear.get(dtype, ()), rows)
+
+    def attention_seconds(self, batch: int, queries: int, keys: int) -> float | None:
+        """One layer's attention call for `batch` rows of `queries` new tokens over `keys` keys, from the probed
+        calls: the nearest probed (batch, queries) at or below these, scaled by the rows and queries it lacks
+        (each is more of the same work), log-linear in the keys. None where nothing at or below was probed, or
+        where more queries come than any probed call had (a prefill: another kernel, priced by its flops)."""
+        below = [(b, q) for b, q in self.attention if b <= batch and q <= queries]
+        if not below or queries > max(q for _, q in self.attention):
             return None
-        if rows <= curve[0][0]:
-            return curve[0][1]
-        for (r0, t0), (r1, t1) in zip(curve, curve[1:]):
-            if r0 <= rows <= r1:
-                share = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
-                return math.exp(math.log(t0) + share * (math.log(t1) - math.log(t0)))
-        last_rows, last = curve[-1]
-        return last * rows / last_rows  # past the curve: compute-bound, time per byte grows with the rows
+        b, q = max(below, key=lambda bq: (bq[0] * bq[1], bq[0]))
+        return log_interpolate(self.attention[(b, q)], keys) * (batch / b) * (queries / q)
 
 
 @dataclass(frozen=True)
@@ -83,7 +114,9 @@ class Step:
     `rows` is how many rows each weight matrix multiplies (batch x new tokens per row), `dtype` the weights' type
     and `kernels` who multiplies them: 'library' (eager PyTorch calls its matrix library, whose speed at `rows`
     rows the machine's `linear` curve gives) or 'generated' (a compiled graph's own kernels, priced at the
-    roofline). `attention_flops` is the part of `flops` outside the weight matrices.
+    roofline). `attention_flops` is the part of `flops` outside the weight matrices; `attention_calls` of
+    `batch` rows with `queries` new tokens each over `keys` keys is how the eager step computes it (one call a
+    layer; 0 where the step's attention is not one such call per layer, as in a packed step).
     """
 
     weight_bytes: float
@@ -99,6 +132,10 @@ class Step:
     attention_flops: float = 0.0
     head_bytes: float = 0.0  # the part of weight_bytes that is the LM head, which multiplies only head_rows rows
     head_rows: int = 1
+    attention_calls: int = 0
+    batch: int = 1
+    queries: int = 1
+    keys: int = 0
 
     @property
     def bytes(self) -> float:
@@ -110,17 +147,25 @@ def roofline_seconds(step: Step, machine: Machine) -> float:
     return max(step.bytes / machine.bandwidth, step.flops / machine.peak_flops)
 
 
+def attention_seconds(step: Step, machine: Machine) -> float:
+    """The step's attention: its calls at the machine's probed speed where the step makes them one a layer and
+    the machine probed such calls; else its cache read or its arithmetic at the roofline."""
+    call = machine.attention_seconds(step.batch, step.queries, step.keys) if step.attention_calls else None
+    if call is None:
+        return max(step.kv_bytes / machine.bandwidth, step.attention_flops / machine.peak_flops)
+    return step.attention_calls * call
+
+
 def work_seconds(step: Step, machine: Machine) -> float:
-    """The step's reading and arithmetic: the roofline, or, for library kernels where the machine's curve is
-    known, the weight matrices at the library's probed speed plus the rest (cache, activations, attention) at
-    the roofline."""
+    """The step's reading and arithmetic: the roofline, or, for library kernels where the machine's curves are
+    known, the weight matrices and the attention at the libraries' probed speeds plus the activations read and
+    written at the bandwidth."""
     per_byte = machine.linear_seconds_per_byte(step.dtype, step.rows) if step.kernels == "library" else None
     if per_byte is None:
         return roofline_seconds(step, machine)
-    head_per_byte = machine.linear_seconds_per_byte(step.dtype, step.head_rows)
-    rest = max((step.kv_bytes + step.activation_bytes) / machine.bandwidth,
-               step.attention_flops / machine.peak_flops)
-    return (step.weight_bytes - step.head_bytes) * per_byte + step.head_bytes * head_per_byte + rest
+    head_per_byte = machine.linear_seconds_per_byte(step.dtype, step.head_rows, part="head")
+    return ((step.weight_bytes - step.head_bytes) * per_byte + step.head_bytes * head_per_byte
+            + attention_seconds(step, machine) + step.activation_bytes / machine.bandwidth)
 
 
 def predict(step: Step, machine: Machine) -> float:
@@ -150,13 +195,23 @@ def matmul_flops(m: int, k: int, n: int) -> int:
     return 2 * m * k * n
 
 
+def block_matrix_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of each weight matrix one block multiplies, as the model holds them: the query, key and value
+    projections as one matrix, the output projection, the MLP's gate and up as one (when gated) and down."""
+    c = config
+    gated = c.mlp in ("swiglu", "geglu")
+    return [((c.n_head + 2 * c.kv_heads) * c.head_size, c.d_model), (c.d_model, c.n_head * c.head_size),
+            ((2 if gated else 1) * c.ff_size, c.d_model), (c.d_model, c.ff_size)]
+
+
+def head_shape(config: ModelConfig) -> tuple[int, int]:
+    """(out, in) of the LM head: a score for every token of the vocabulary."""
+    return config.vocab_size, config.embed_size
+
+
 def block_matrix_params(config: ModelConfig) -> int:
     """Weights of one block's matrices (q/k/v, out, MLP): each is read once and used for 2 flops per row."""
-    c = config
-    qkv = c.d_model * (c.n_head + 2 * c.kv_heads) * c.head_size
-    out = c.n_head * c.head_size * c.d_model
-    mlp = c.d_model * c.ff_size * (3 if c.mlp in ("swiglu", "geglu") else 2)
-    return qkv + out + mlp
+    return sum(out * inp for out, inp in block_matrix_shapes(config))
 
 
 def weight_bytes(config: ModelConfig, bytes_per_weight: float = 4.0, head_bytes_per_weight: float | None = None,
@@ -248,7 +303,8 @@ def decode_step(config: ModelConfig, batch: int = 1, context: int = 256, bytes_p
     return Step(weight_bytes(config, bytes_per_weight, head_bytes_per_weight), kv, activations, flops, ops, syncs,
                 tokens=batch * yielded, rows=batch * new, dtype=dtype,
                 kernels="library" if graph == "eager" else "generated", attention_flops=attention,
-                head_bytes=head, head_rows=batch * tokens_per_row)
+                head_bytes=head, head_rows=batch * tokens_per_row, attention_calls=config.n_layer, batch=batch,
+                queries=new, keys=context)
 
 
 def packed_step(config: ModelConfig, prefill_tokens: int, decode_rows: int, chunks: int, keys: int,

@@ -1,10 +1,13 @@
-"""The machine's four constants, each from one small probe, and a counter of the ops a real step dispatches.
+"""The machine's constants, each from one small probe, and a counter of the ops a real step dispatches.
 
 The cost model (`model.py`) needs read bandwidth, peak arithmetic, the cost of one eager op and of one
-host sync. Each is measured here by a probe that times something other than the step it will predict
-(a `torch.sum` over a GiB, a 512-cube matmul, an in-place add of 64 numbers, an `.item()`), so a
-prediction made from them is made before, and independently of, the measurement it is compared with.
-`count_ops` checks the model's op counts against what PyTorch really dispatches.
+host sync, and the speed of the two library kernels an eager step spends most of its time in: matrix
+products of the model's shapes at a few rows, and attention over a cache. Each is measured here by a
+probe that times something other than the step it will predict (a `torch.sum` over a GiB, a 512-cube
+matmul, the small ops of a norm and an activation at the model's width, an `.item()`, random matrices
+of the model's shapes, attention calls on random keys), so a prediction made from them is made before,
+and independently of, the measurement it is compared with. `count_ops` checks the model's op counts
+against what PyTorch really dispatches.
 """
 
 from __future__ import annotations
@@ -12,14 +15,17 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..model.config import ModelConfig
 from ..speed.huge_pages import into_huge_pages
 from ..speed.onednn import use_onednn
-from .model import Machine, matmul_flops
+from .model import SMOLLM2_135M, Machine, block_matrix_shapes, head_shape, matmul_flops
 
 
 def synchronize(device) -> None:
@@ -106,10 +112,46 @@ def measure_peak_flops(n: int = 512, bursts: int = 30, dtype=torch.float32) -> f
     return matmul_flops(n, n, n) / fastest(lambda: a @ b, bursts)
 
 
-def measure_op_seconds(bursts: int = 50, repeat: int = 100) -> float:
-    """One eager op on a tiny tensor (an in-place add of 64 numbers): nearly all of it is dispatch."""
-    x = torch.ones(64)
-    return fastest(lambda: x.add_(1.0), bursts, repeat)
+def dispatch_model_config(config: ModelConfig) -> ModelConfig:
+    """`config`'s layers, heads and switches at a width where the arithmetic is nil: 8 numbers per head, an MLP
+    of 64 and a vocabulary of 256. Its eager step dispatches the same ops, through the same Python, as the
+    full model's, and multiplies almost nothing."""
+    return replace(config, d_model=8 * config.n_head, head_dim=None, d_ff=64, vocab_size=256, d_embed=None,
+                   context_length=min(config.context_length, 512),
+                   rotary_dim=None if config.rotary_dim is None else 4)
+
+
+def measure_op_seconds(config: ModelConfig = SMOLLM2_135M, bursts: int = 20, repeat: int = 5,
+                       context: int = 64) -> float:
+    """One eager op as the model's own code dispatches it: a one-token decode step of `dispatch_model_config`
+    (random weights, a static cache holding `context` tokens, through the `ModelRunner`) divided by the ops the
+    step dispatches. What that step costs is the Python of the modules, the dispatch and the small allocations
+    of every op, with nothing to compute: an in-place add of a few numbers, the cheapest op, costs half as much
+    (lessons/cost-model/README.md), and an eager step's other ops (norm statistics, casts, views, a
+    concatenation, the cache's copies) sit between its matrix products in the Python that calls them."""
+    from ..decoding.sampling import SamplingConfig
+    from ..model.transformer import Transformer
+    from ..runtime.runner import ModelRunner
+    from ..runtime.sequence import Sequence
+
+    small = dispatch_model_config(config)
+    torch.manual_seed(0)
+    model = Transformer(small).eval()
+    runner = ModelRunner(model, cache="static", max_len=context + 2)
+    seq = Sequence.create(list(range(context - 1)), SamplingConfig(max_new_tokens=2), vocab_size=small.vocab_size,
+                          device="cpu")
+    with torch.inference_mode():
+        runner.prefill([seq])
+        seq.append(1)
+
+        def step():
+            runner.decode([seq])
+            runner.rollback([seq])
+
+        step()
+        ops = count_ops(lambda: runner.decode([seq])).total()
+        runner.rollback([seq])
+        return fastest(step, bursts, repeat) / ops
 
 
 def measure_sync_seconds(bursts: int = 50, repeat: int = 100, device: str = "cpu") -> float:
@@ -119,24 +161,31 @@ def measure_sync_seconds(bursts: int = 50, repeat: int = 100, device: str = "cpu
 
 
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)  # rows a step multiplies: one token, a verify, a batch, a prefill
-LINEAR_SHAPE = (1024, 1024)  # a generic transformer-sized weight matrix (not any model's own)
+HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # rows the LM head multiplies: the positions whose logits a step keeps
+ATTENTION_KEYS = (64, 256, 1024)  # cached keys an attention call reads: a short chat to a long document
+ATTENTION_BATCHES = (1, 2, 4, 8, 16, 32)  # one new token per row: a decode step
+ATTENTION_QUERIES = (2, 4, 8, 16)  # new tokens of one row: a verify of drafted tokens
 
 
-def measure_linear_rates(dtype=torch.float32, rows=LINEAR_ROWS, bursts: int = 3,
-                         gib: float = 0.25) -> tuple[tuple[int, float], ...]:
+def measure_linear_rates(dtype=torch.float32, shapes=tuple(block_matrix_shapes(SMOLLM2_135M)), rows=LINEAR_ROWS,
+                         bursts: int = 3, gib: float = 0.25) -> tuple[tuple[int, float], ...]:
     """The matrix library's speed at a few rows: ((rows, seconds per weight byte), ...) for linear layers of
-    generic 1024 x 1024 weights in `dtype`, placed in huge pages and multiplied the way `load_model` sets a
+    random weights of the (out, in) `shapes` in `dtype` (a model's own: how near a library kernel comes to the
+    bandwidth depends on the matrix's shape), placed in huge pages and multiplied the way `load_model` sets a
     model up (float32 on a CPU through oneDNN's packed weights, or MKL's where it streams better,
     `minillm.speed.onednn`; other dtypes through plain `F.linear`).
 
-    Up to a few rows the weights are read from memory (`gib` of distinct matrices, past any cache), and the
-    time per byte says how near the library's matrix-vector kernel comes to the bandwidth probe; at many rows
-    the same matrices are multiplied from cache and the time per byte says how near it comes to peak arithmetic.
+    The shapes repeat, in order, until they hold `gib` (at least one of each). Up to a few rows the weights are
+    read from memory (distinct matrices, past any cache), and the time per byte says how near the library's
+    matrix-vector kernel comes to the bandwidth probe; at many rows the first few matrices are multiplied from
+    cache and the time per byte says how near it comes to peak arithmetic.
     """
-    out_features, in_features = LINEAR_SHAPE
-    one = out_features * in_features * torch.empty((), dtype=dtype).element_size()
-    weights = into_huge_pages([torch.randn(LINEAR_SHAPE).to(dtype) for _ in range(max(1, int(gib * 2**30) // one))])
-    layers = nn.ModuleList(nn.Linear(in_features, out_features, bias=False, dtype=dtype) for _ in weights)
+    size = torch.empty((), dtype=dtype).element_size()
+    one_of_each = sum(out * inp for out, inp in shapes) * size
+    copies = max(1, round(gib * 2**30 / one_of_each))
+    layer_shapes = [shape for _ in range(copies) for shape in shapes]
+    weights = into_huge_pages([torch.randn(shape).to(dtype) for shape in layer_shapes])
+    layers = nn.ModuleList(nn.Linear(inp, out, bias=False, dtype=dtype) for out, inp in layer_shapes)
     for layer, weight in zip(layers, weights):
         layer.weight = nn.Parameter(weight, requires_grad=False)
     if dtype == torch.float32:
@@ -144,24 +193,66 @@ def measure_linear_rates(dtype=torch.float32, rows=LINEAR_ROWS, bursts: int = 3,
     curve = []
     with torch.inference_mode():
         for n in rows:
-            used = layers[:max(1, min(len(layers), int(2e9 // matmul_flops(n, in_features, out_features))))]
-            x = torch.randn(n, in_features).to(dtype)
+            used, flops = [], 0
+            for layer in layers:  # past 2 GFLOP per pass, the first matrices are enough to time the arithmetic
+                if used and flops > 2e9:
+                    break
+                used.append(layer)
+                flops += matmul_flops(n, layer.in_features, layer.out_features)
+            inputs = {inp: torch.randn(n, inp).to(dtype) for _, inp in shapes}
 
-            def run(used=used, x=x):
+            def run(used=used, inputs=inputs):
                 for layer in used:
-                    layer(x)
+                    layer(inputs[layer.in_features])
 
             run()  # warm-up: the library picks its kernel and packs its weights, the pages are touched
-            curve.append((n, fastest(run, bursts) / (len(used) * one)))
+            curve.append((n, fastest(run, bursts) / (sum(layer.weight.numel() for layer in used) * size)))
     return tuple(curve)
 
 
-def measure_machine(quick: bool = False) -> Machine:
-    """All the constants, measured now (a few seconds with quick=True): the four scalars, and the library's
-    matrix curve in float32 and bfloat16."""
-    linear = {name: measure_linear_rates(dtype, bursts=2 if quick else 3, gib=0.0625 if quick else 0.25)
-              for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+def measure_attention_seconds(config: ModelConfig = SMOLLM2_135M, bursts: int = 10,
+                              cache_bytes: float = 2**28) -> dict[tuple[int, int], tuple[tuple[int, float], ...]]:
+    """{(batch, queries): ((keys, seconds per call), ...)}: one layer's `scaled_dot_product_attention` on random
+    queries, keys and values of the model's head layout, called as `model.attention.SDPABackend` calls it after
+    a cache: the query heads that share a key/value head folded into one group of queries, a mask when a row
+    brings more than one new token. Each timed burst calls it once per layer on that layer's own keys and
+    values (up to `cache_bytes` of them), so they come from memory as a step's do, not from the last call's
+    cache. On a CPU this kernel costs far more per call than the bytes of the keys it reads (tiles, softmax,
+    threads), so the cost model prices an eager step's attention by these calls."""
+    kv, hd = config.kv_heads, config.head_size
+    group = config.n_head // kv
+    calls = {}
+    with torch.inference_mode():
+        for batch, queries in [(b, 1) for b in ATTENTION_BATCHES] + [(1, q) for q in ATTENTION_QUERIES]:
+            curve = []
+            for keys in ATTENTION_KEYS:
+                layers = max(1, min(config.n_layer, int(cache_bytes // (2 * batch * kv * keys * hd * 4))))
+                q = torch.randn(batch, kv, group * queries, hd)
+                cache = [(torch.randn(batch, kv, keys, hd), torch.randn(batch, kv, keys, hd)) for _ in range(layers)]
+                mask = (torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries).repeat(group, 1)
+                        if queries > 1 else None)
+
+                def step(q=q, cache=cache, mask=mask):
+                    for k, v in cache:
+                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+                step()
+                curve.append((keys, fastest(step, bursts) / layers))
+            calls[(batch, queries)] = tuple(curve)
+    return calls
+
+
+def measure_machine(quick: bool = False, config: ModelConfig = SMOLLM2_135M) -> Machine:
+    """All the constants, measured now (a few seconds with quick=True): the four scalars, the library's matrix
+    curves in float32 and bfloat16 for `config`'s block matrices and its LM head, and its attention calls."""
+    bursts, gib = (2, 0.0625) if quick else (3, 0.25)
+    linear = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        linear[name] = measure_linear_rates(dtype, tuple(block_matrix_shapes(config)), bursts=bursts, gib=gib)
+        linear[f"{name} head"] = measure_linear_rates(dtype, (head_shape(config),), HEAD_ROWS, bursts=bursts, gib=0)
     return Machine(bandwidth=measure_memory_bandwidth(gib=0.25 if quick else 1.0, repeats=5 if quick else 10),
                    peak_flops=measure_peak_flops(bursts=10 if quick else 30),
-                   op_seconds=measure_op_seconds(bursts=20 if quick else 50),
-                   sync_seconds=measure_sync_seconds(bursts=20 if quick else 50), linear=linear)
+                   op_seconds=measure_op_seconds(config, bursts=20 if quick else 50),
+                   sync_seconds=measure_sync_seconds(bursts=20 if quick else 50), linear=linear,
+                   attention=measure_attention_seconds(config, bursts=3 if quick else 10,
+                                                            cache_bytes=2**26 if quick else 2**28))
