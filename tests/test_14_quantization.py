@@ -204,9 +204,10 @@ def test_dynamic_int8_takes_the_float32_product_only_without_int8_dot_products(m
 
 def test_compiled_graphs_keep_the_kernels():
     """Under torch.compile (and export) `widens` says no, so a kept graph never holds the widened matmul."""
-    x = torch.zeros(64, 16, dtype=torch.bfloat16)
-    compiled = torch.compile(lambda t: t + int(widens(t, torch.bfloat16, 1)), backend="eager", fullgraph=True)
-    assert widens(x, torch.bfloat16, 1) and not widens(x, torch.float32, 1) and not widens(x, torch.bfloat16, 65)
+    x = torch.zeros(max(rows["int4"] for rows in quant_widen.WIDEN_FROM_ROWS.values()), 16, dtype=torch.bfloat16)
+    compiled = torch.compile(lambda t: t + int(widens(t, torch.bfloat16, "int4")), backend="eager", fullgraph=True)
+    assert widens(x, torch.bfloat16, "int4") and not widens(x, torch.float32, "int4")
+    assert not widens(x[:8], torch.bfloat16, "int4")
     assert torch.equal(compiled(x), x)
 
 

@@ -95,11 +95,12 @@ def compiled_rows(machine: Machine) -> list[dict]:
         step = decode_step(SMOLLM2_135M, context=context, bytes_per_weight=size, graph=graph, dtype=dtype)
         rows.append(row("15", f"{dtype} {graph} decode", "tok/s", tokens_per_second(step, machine), "compile",
                         f'compile.results.{dtype}.contenders["{name}"].tokens_per_second'))
-    for quant, size, name in (("float32", 4.0, "minillm compiled"), ("int8", INT8_BYTES, "minillm int8 compiled"),
-                              ("gguf", Q4_1_BYTES, "minillm gguf compiled")):
-        head = 4.0 if quant == "float32" else INT8_BYTES  # the quantized paths keep an int8 head
+    for quant, kernel, size, name in (("float32", "float32", 4.0, "minillm compiled"),
+                                      ("int8", "int8", INT8_BYTES, "minillm int8 compiled"),
+                                      ("gguf", "int4", Q4_1_BYTES, "minillm gguf compiled")):  # Q4_1: int4 kernels
+        head, head_kernel = (4.0, "float32") if quant == "float32" else (INT8_BYTES, "int8")  # an int8 head
         step = decode_step(SMOLLM2_135M, context=CLI_CONTEXT, bytes_per_weight=size, head_bytes_per_weight=head,
-                           graph="compiled")
+                           graph="compiled", dtype=kernel, head_dtype=head_kernel)
         lesson = "15" if quant == "float32" else "14"
         rows.append(row(lesson, f"command line, {quant} compiled decode", "tok/s", tokens_per_second(step, machine),
                         "cli", f'cli.contenders["{name}"].decode_tokens_per_second'))

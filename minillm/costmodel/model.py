@@ -72,7 +72,9 @@ class Machine:
     how fast its libraries run the two kernels an eager step spends most of its time in.
 
     `linear[dtype]` is a curve of (rows, seconds per weight byte) points from `probes.measure_linear_rates` over
-    matrices of the model's own block shapes, and `linear[dtype + " head"]` the same for its LM head: a library
+    matrices of the model's own block shapes, `linear[dtype + " head"]` the same for its LM head, and
+    `linear[format + " compiled"]` one point at one row through a compiled graph's kernels for float32,
+    bfloat16, int8 or int4 weights (`probes.measure_compiled_rates`): a library
     matrix-vector product rarely streams its weights at the bandwidth a plain sum reaches, how near it comes
     depends on the matrix's shape, and a product over a few rows is neither memory- nor compute-bound at its
     peak. `attention[(batch, queries)]` is a curve of (keys, seconds per call) points from
@@ -113,8 +115,8 @@ class Step:
 
     `rows` is how many rows each weight matrix multiplies (batch x new tokens per row), `dtype` the weights' type
     and `kernels` who multiplies them: 'library' (eager PyTorch calls its matrix library, whose speed at `rows`
-    rows the machine's `linear` curve gives) or 'generated' (a compiled graph's own kernels, priced at the
-    roofline). `attention_flops` is the part of `flops` outside the weight matrices; `attention_calls` of
+    rows the machine's `linear` curve gives) or 'generated' (a compiled graph's kernels, whose speed at one row
+    the machine's `linear[dtype + " compiled"]` gives; the roofline where it is not known). `attention_flops` is the part of `flops` outside the weight matrices; `attention_calls` of
     `batch` rows with `queries` new tokens each over `keys` keys is how the eager step computes it (one call a
     layer; 0 where the step's attention is not one such call per layer, as in a packed step).
     """
@@ -132,6 +134,7 @@ class Step:
     attention_flops: float = 0.0
     head_bytes: float = 0.0  # the part of weight_bytes that is the LM head, which multiplies only head_rows rows
     head_rows: int = 1
+    head_dtype: str | None = None  # the LM head's type where it differs from the blocks' (an int8 head)
     attention_calls: int = 0
     batch: int = 1
     queries: int = 1
@@ -150,20 +153,27 @@ def roofline_seconds(step: Step, machine: Machine) -> float:
 def attention_seconds(step: Step, machine: Machine) -> float:
     """The step's attention: its calls at the machine's probed speed where the step makes them one a layer and
     the machine probed such calls; else its cache read or its arithmetic at the roofline."""
-    call = machine.attention_seconds(step.batch, step.queries, step.keys) if step.attention_calls else None
+    library = step.attention_calls and step.kernels == "library"  # a compiled step's attention is its own loops
+    call = machine.attention_seconds(step.batch, step.queries, step.keys) if library else None
     if call is None:
         return max(step.kv_bytes / machine.bandwidth, step.attention_flops / machine.peak_flops)
     return step.attention_calls * call
 
 
 def work_seconds(step: Step, machine: Machine) -> float:
-    """The step's reading and arithmetic: the roofline, or, for library kernels where the machine's curves are
-    known, the weight matrices and the attention at the libraries' probed speeds plus the activations read and
-    written at the bandwidth."""
-    per_byte = machine.linear_seconds_per_byte(step.dtype, step.rows) if step.kernels == "library" else None
+    """The step's reading and arithmetic: the roofline, or, where the machine's curves for the step's kernels are
+    known, its weight matrices at the probed speed of those kernels (an eager step's: the library's, at its rows;
+    a compiled step's: the generated ones', at one row) plus its attention (`attention_seconds`) and the
+    activations read and written at the bandwidth."""
+    if step.kernels == "library":
+        curve, head_curve = step.dtype, step.head_dtype or step.dtype
+    else:  # generated kernels were probed at one row: a compiled step over more is priced by the roofline
+        curve, head_curve = f"{step.dtype} compiled", f"{step.head_dtype or step.dtype} compiled"
+    per_byte = machine.linear_seconds_per_byte(curve, step.rows) if step.kernels == "library" or step.rows == 1 \
+        else None
     if per_byte is None:
         return roofline_seconds(step, machine)
-    head_per_byte = machine.linear_seconds_per_byte(step.dtype, step.head_rows, part="head")
+    head_per_byte = machine.linear_seconds_per_byte(head_curve, step.head_rows, part="head") or per_byte
     return ((step.weight_bytes - step.head_bytes) * per_byte + step.head_bytes * head_per_byte
             + attention_seconds(step, machine) + step.activation_bytes / machine.bandwidth)
 
@@ -279,15 +289,16 @@ def compiled_kernels(config: ModelConfig) -> int:
 def decode_step(config: ModelConfig, batch: int = 1, context: int = 256, bytes_per_weight: float = 4.0,
                 head_bytes_per_weight: float | None = None, kv_element: float = 4.0, cache: str = "static",
                 graph: str = "eager", tokens_per_row: int = 1, acceptance: float | None = None,
-                syncs: int = 2, dtype: str = "float32") -> Step:
+                syncs: int = 2, dtype: str = "float32", head_dtype: str | None = None) -> Step:
     """One decode step of `batch` rows at `context` tokens, as the run's settings make it.
 
     cache 'static' / 'dynamic' / 'paged': the step feeds `tokens_per_row` new tokens (1, or k + 1 when
     verifying k drafted tokens) and reads the cache; 'none': it recomputes all `context` positions.
     graph 'eager' dispatches every aten op from Python; 'compiled' calls a few fused kernels.
     `acceptance` (with tokens_per_row = k + 1): the step yields (1 - a^(k+1)) / (1 - a) tokens per row.
-    syncs: the RoPE table's max position and the sampler's token read back. dtype: the weights' type, for the
-    machine's library curve (`bytes_per_weight` gives their size).
+    syncs: the RoPE table's max position and the sampler's token read back. dtype: the weights' type or format
+    ('float32', 'bfloat16', 'int8', 'int4'), for the machine's curves (`bytes_per_weight` gives their size);
+    head_dtype the LM head's, where it differs.
     """
     new = context if cache == "none" else tokens_per_row
     kv = 0.0 if cache == "none" else batch * context * kv_bytes_per_token(config, kv_element)
@@ -303,7 +314,8 @@ def decode_step(config: ModelConfig, batch: int = 1, context: int = 256, bytes_p
     return Step(weight_bytes(config, bytes_per_weight, head_bytes_per_weight), kv, activations, flops, ops, syncs,
                 tokens=batch * yielded, rows=batch * new, dtype=dtype,
                 kernels="library" if graph == "eager" else "generated", attention_flops=attention,
-                head_bytes=head, head_rows=batch * tokens_per_row, attention_calls=config.n_layer, batch=batch,
+                head_bytes=head, head_rows=batch * tokens_per_row, head_dtype=head_dtype,
+                attention_calls=config.n_layer, batch=batch,
                 queries=new, keys=context)
 
 
@@ -313,7 +325,9 @@ def packed_step(config: ModelConfig, prefill_tokens: int, decode_rows: int, chun
     `prefill_tokens` in all, packed into one row, reading `keys` cached keys in all; logits for every row.
 
     The weights are read once for the whole step, however many requests share it: that is why the engine
-    packs them. The paged attention adds its writes and gathers to the plain ops (`PACKED_*_OPS`).
+    packs them; the library multiplies them over all the step's tokens as rows. The paged attention adds its
+    writes and gathers to the plain ops (`PACKED_*_OPS`), and is priced by its bytes and flops (its calls
+    are not the one-per-layer calls the attention probe times).
     """
     tokens = prefill_tokens + decode_rows
     rows = decode_rows + chunks
@@ -323,7 +337,9 @@ def packed_step(config: ModelConfig, prefill_tokens: int, decode_rows: int, chun
     ops = eager_ops(config, tokens) + PACKED_FORWARD_OPS + config.n_layer * (
         PACKED_LAYER_OPS + (PACKED_DECODE_OPS if decode_rows else 0) + PACKED_CHUNK_OPS * chunks)
     return Step(weight_bytes(config), keys * kv_bytes_per_token(config),
-                tokens * config.d_model * 4 * 2 * config.n_layer, flops, ops, syncs, tokens=rows)
+                tokens * config.d_model * 4 * 2 * config.n_layer, flops, ops, syncs, tokens=rows, rows=tokens,
+                kernels="library", attention_flops=attention, head_bytes=config.vocab_size * config.embed_size * 4.0,
+                head_rows=rows)
 
 
 def with_bytes(step: Step, weight_bytes: float) -> Step:

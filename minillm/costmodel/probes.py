@@ -12,6 +12,7 @@ against what PyTorch really dispatches.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import Counter
@@ -242,14 +243,87 @@ def measure_attention_seconds(config: ModelConfig = SMOLLM2_135M, bursts: int = 
     return calls
 
 
+COMPILED_FORMATS = ("float32", "bfloat16", "int8", "int4")  # a compiled step's weights: plain, or as `--quant` holds them
+
+
+class LinearsProbe(nn.Module):
+    """Linear layers called one after another on one input per width: what a compiled probe traces."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.widths = sorted({layer.in_features for layer in layers})
+
+    @property
+    def device(self) -> torch.device:  # what `speed.inductor.matmul_kernels` asks of a model
+        return torch.device("cpu")
+
+    def forward(self, *inputs):
+        by_width = dict(zip(self.widths, inputs))
+        return tuple(layer(by_width[layer.in_features]) for layer in self.layers)
+
+
+def probe_layers(fmt: str, shapes, copies: int) -> list[nn.Module]:
+    """Random linear layers of the (out, in) `shapes`, `copies` times, as a run with these weights holds them:
+    float32 or bfloat16 `nn.Linear`, or int8 per channel / int4 in groups of 32 (computing in bfloat16)."""
+    from ..speed.quant import Int4WeightLinear, Int8WeightLinear
+
+    layers = [nn.Linear(inp, out, bias=False) for _ in range(copies) for out, inp in shapes]
+    if fmt == "int8":
+        return [Int8WeightLinear.from_linear(layer) for layer in layers]
+    if fmt == "int4":
+        return [Int4WeightLinear.from_linear(layer, 32) for layer in layers]
+    return [layer.to(getattr(torch, fmt)).requires_grad_(False) for layer in layers]
+
+
+def measure_compiled_rates(shapes=tuple(block_matrix_shapes(SMOLLM2_135M)), formats=COMPILED_FORMATS,
+                           copies: int = 8, bursts: int = 20, flush_bytes: int = 2**27) -> dict:
+    """{f"{format} compiled": ((1, seconds per weight byte),)}: one row through the matmul kernels a compiled
+    graph runs for weights of `shapes` in each format, compiled the way the course compiles a decode step
+    (`speed.inductor`: frozen weights, the kernels `matmul_kernels` picks for one row on this CPU).
+
+    A compiled step does not call the library an eager step calls: Inductor generates a kernel for each
+    weight's shape (or keeps the library's where it has none, as for int4 without AVX-512), and how near that
+    comes to the bandwidth differs by format and CPU. Each timed call follows a read of `flush_bytes`, which
+    evicts the weights from the caches, so they come from memory as a step's do; `copies` of the shapes make
+    the call long enough to stream at its steady speed (two copies measured 30% slower per byte than eight
+    on the AMD EPYC, whose eight came within 5% of a whole compiled decode step's weight rate).
+    """
+    from ..speed.inductor import inductor_settings, matmul_kernels
+
+    flush = torch.ones(flush_bytes // 4)
+    rates = {}
+    for fmt in formats:
+        probe = LinearsProbe(probe_layers(fmt, shapes, copies)).eval()
+        dtype = torch.float32 if fmt == "float32" else torch.bfloat16
+        inputs = [torch.randn(1, width).to(dtype) for width in probe.widths]
+        weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(probe.parameters(), probe.buffers()))
+        with torch.no_grad():
+            with inductor_settings(matmul_kernels(probe, rows=1), "cpu"):
+                compiled = torch.compile(probe, fullgraph=True, dynamic=False)
+                compiled(*inputs)
+            best = math.inf
+            for _ in range(bursts):
+                flush.sum()
+                start = time.perf_counter()
+                compiled(*inputs)
+                best = min(best, time.perf_counter() - start)
+        rates[f"{fmt} compiled"] = ((1, best / weight_bytes),)
+    return rates
+
+
 def measure_machine(quick: bool = False, config: ModelConfig = SMOLLM2_135M) -> Machine:
-    """All the constants, measured now (a few seconds with quick=True): the four scalars, the library's matrix
-    curves in float32 and bfloat16 for `config`'s block matrices and its LM head, and its attention calls."""
-    bursts, gib = (2, 0.0625) if quick else (3, 0.25)
+    """All the constants, measured now: the four scalars, the library's matrix curves in float32 and bfloat16
+    for `config`'s block matrices and its LM head, its attention calls, and (unless `quick`: about a minute of
+    compiling) the compiled kernels' speed at one row for each weight format. With quick=True, some ten seconds,
+    a compiled step is priced by the roofline."""
+    bursts, gib = (2, 0.0625) if quick else (5, 0.25)
     linear = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         linear[name] = measure_linear_rates(dtype, tuple(block_matrix_shapes(config)), bursts=bursts, gib=gib)
         linear[f"{name} head"] = measure_linear_rates(dtype, (head_shape(config),), HEAD_ROWS, bursts=bursts, gib=0)
+    if not quick:
+        linear.update(measure_compiled_rates(tuple(block_matrix_shapes(config))))
     return Machine(bandwidth=measure_memory_bandwidth(gib=0.25 if quick else 1.0, repeats=5 if quick else 10),
                    peak_flops=measure_peak_flops(bursts=10 if quick else 30),
                    op_seconds=measure_op_seconds(config, bursts=20 if quick else 50),

@@ -121,6 +121,13 @@ def check_device(module: nn.Module, name: str) -> None:
 class QuantizedLinear(nn.Module):
     """What every quantized linear shares: the input width, an optional bias, and a flatten/unflatten."""
 
+    widen_kind: str | None = None  # "int8" / "int4": the codes an eager bfloat16 call widens over many rows
+
+    @property
+    def widen_rows(self) -> int:
+        """Rows from which a bfloat16 call widens the codes on this CPU (quant_widen: from there widening wins)."""
+        return widen_from_rows(self.widen_kind)
+
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -147,10 +154,7 @@ class QuantizedLinear(nn.Module):
 class Int8WeightLinear(QuantizedLinear):
     """Weight-only int8 (per output channel), on `aten._weight_int8pack_mm`; widened over many rows."""
 
-    @property
-    def widen_rows(self) -> int:
-        """Rows from which a bfloat16 call widens the codes on this CPU (quant_widen: from there widening wins)."""
-        return widen_from_rows("int8")
+    widen_kind = "int8"
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias=None, compute_dtype=torch.bfloat16):
         super().__init__(q.shape[1], q.shape[0], bias)
@@ -165,7 +169,7 @@ class Int8WeightLinear(QuantizedLinear):
 
     def matmul(self, x):
         x = x.to(self.compute_dtype)
-        if widens(x, self.compute_dtype, self.widen_rows):
+        if widens(x, self.compute_dtype, self.widen_kind):
             return int8_widened_matmul(x, self.weight_int8, self.scale)
         return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scale)
 
@@ -181,10 +185,7 @@ class Int4WeightLinear(QuantizedLinear):
     this CPU's packed layout is one `quant_widen` reads (N a multiple of its block).
     """
 
-    @property
-    def widen_rows(self) -> int:
-        """Rows from which a bfloat16 call widens the codes on this CPU (quant_widen: from there widening wins)."""
-        return widen_from_rows("int4")
+    widen_kind = "int4"
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias=None,
                  compute_dtype=torch.bfloat16):
@@ -206,7 +207,7 @@ class Int4WeightLinear(QuantizedLinear):
         x = x.to(self.compute_dtype)
         # `widens` first: it says no while a graph is traced, and `int4_block`'s probe (a data-dependent
         # comparison) must not be traced into one; export fails on it if no eager call has cached it.
-        if widens(x, self.compute_dtype, self.widen_rows):
+        if widens(x, self.compute_dtype, self.widen_kind):
             block = int4_block()
             if block and self.out_features % block == 0:
                 return int4_widened_matmul(x, self.weight_int4, self.scale_and_zero, self.out_features,

@@ -80,14 +80,16 @@ def widen_from_rows(kind: str) -> int:
     return WIDEN_FROM_ROWS[widened_dtype()][kind]
 
 
-def widens(x: torch.Tensor, compute_dtype: torch.dtype, from_rows: int) -> bool:
-    """Whether a weight-only linear should widen its codes for these activation rows x [rows, K].
+def widens(x: torch.Tensor, compute_dtype: torch.dtype, kind: str) -> bool:
+    """Whether a weight-only linear of `kind` ("int8" or "int4") should widen its codes for these activation
+    rows x [rows, K].
 
-    Tracing is asked first: under export the row count is a symbol, and comparing it would
-    narrow the exported graph's range of rows to one side of `from_rows`.
+    Tracing is asked first, and the CPU's threshold last: under export the row count is a symbol, and
+    comparing it would narrow the exported graph's range of rows to one side of the threshold; under
+    torch.compile the threshold's look-up (the CPU's flags, read from a file) cannot be traced.
     """
     return (not torch.compiler.is_compiling() and compute_dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.shape[0] >= from_rows)
+            and x.shape[0] >= widen_from_rows(kind))
 
 
 def int8_widened_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
