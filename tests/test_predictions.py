@@ -217,11 +217,7 @@ def test_the_stored_forecast_predates_every_measurement_it_names():
     assert len(forecast["rows"]) >= 20 and data["compared"] == len(forecast["rows"])
 
 
-# The stored forecast (AMD EPYC, 2026-11-29) holds fewer than 70% of its rows: the eager steps of lessons 05-07 run
-# about 1.5x slower than the model prices them (the library's curve is probed on generic 1024 x 1024 matrices, the
-# op cost on an in-place add). Strict: once a better model's forecast holds, this mark must go.
 @NO_FORECAST
-@pytest.mark.xfail(strict=True, reason="the cost model misses the eager steps (issue 60): a term to add, not a band")
 def test_the_stored_forecast_mostly_holds():
     data = predicted_vs_measured.verdicts(RESULTS)
     assert data["inside_share"] >= 0.7, predicted_vs_measured.table(data["rows"])

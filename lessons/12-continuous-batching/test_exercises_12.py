@@ -137,10 +137,9 @@ def test_exercise_3_the_prediction_holds_on_the_stored_measurements(answers):
     # The measured curve bends where predicted: well below the ridge each doubling of the batch nearly doubles the
     # decode throughput (> 1.5x); from the ridge on it gains less than the best doubling below it. (The arithmetic
     # rate is the largest batch's, a lower bound on the peak where throughput still grows there, so the ridge is too.)
-    # Doublings are counted from the first batch past MKL_MAX_ROWS (four rows): on the Intel CPU with AVX-512 the
-    # stored run comes from, up to three rows go through another kernel (MKL on weights in huge pages,
-    # minillm.speed.onednn), faster per byte than oneDNN's packed copy that more rows read (1.86x from 1 to 2 rows,
-    # then 1.37x from 2 to 4, where the kernel changes).
+    # Doublings are counted from the first batch past MKL_MAX_ROWS (four rows): on an Intel CPU with AVX-512, up to
+    # three rows go through another kernel (MKL on weights in huge pages, minillm.speed.onednn), faster per byte than
+    # oneDNN's packed copy that more rows read, so the doublings below four rows say nothing about the ridge there.
     first = 2 ** MKL_MAX_ROWS.bit_length()
     gains = {small: decode[large] / decode[small] for small, large in zip(sorted(decode), sorted(decode)[1:])}
     below = [gain for small, gain in gains.items() if first <= small <= ridge / 2]

@@ -23,24 +23,9 @@ from . import figures
 from .common import RESULTS, machine_label
 
 # What the cost model does not (yet) count, by the start of a row's `what`: shown beside a row outside the band.
-EAGER_STEP = ("the eager steps of lessons 05-07 ran slower than priced; not yet understood: the "
-              "op cost is probed on an in-place add of 64 floats and the library's curve on generic 1024 x 1024 "
-              "matrices, and a profile of one eager step will say which term the model lacks")
-QUANTIZED_STEP = ("not yet profiled; the candidate: int8 and Q4_1 weights are widened to float before each multiply, "
-                  "arithmetic the byte count does not see")
-MISSING_TERMS = {
-    "float32 decode, static": EAGER_STEP,
-    "bfloat16 decode, static": EAGER_STEP,
-    "static cache step": EAGER_STEP,
-    "no cache step": EAGER_STEP,
-    "decode at batch": EAGER_STEP,
-    "float32 eager decode": EAGER_STEP,
-    "bfloat16 compiled decode": "not yet profiled; the candidate: on a CPU without BF16 dot products (AVX2) a "
-                                "generated kernel widens each weight to float32 before multiplying, arithmetic the "
-                                "byte count does not see",
-    "command line, int8": QUANTIZED_STEP,
-    "command line, gguf": QUANTIZED_STEP,
-}
+# Empty while no miss is understood: the terms found so far (the library's speed on the model's shapes, attention
+# per call, the dispatch of the model's own code, the compiled kernels per format) are probes now (`costmodel`).
+MISSING_TERMS: dict[str, str] = {}
 NOT_MEASURED, EARLIER, ELSEWHERE = "not measured", "measured before the forecast", "measured on another machine"
 
 

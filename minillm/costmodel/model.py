@@ -1,20 +1,21 @@
 """The cost model's arithmetic: a step's time from what it reads, computes, dispatches and waits for.
 
     predict(step) = work(step) + ops * op_seconds + syncs * sync_seconds
-    work(step)    = max(bytes / bandwidth, flops / peak_flops)           (the roofline: generated kernels)
-                  = weight_bytes * library(rows) + n_layer * sdpa(batch, queries, keys)
-                    + activations at the roofline                               (eager: the libraries' kernels)
+    work(step)    = max(bytes / bandwidth, flops / peak_flops)                        (the roofline)
+                  = weight_bytes * kernel(rows) + attention + activations / bandwidth  (probed kernels)
 
 The roofline: a step cannot finish before the machine has read what it reads (weights, KV
-cache, activations) or done its arithmetic, whichever takes longer. An eager step calls library
-kernels instead, and those are priced at their probed speed: its weight matrices at the matrix
-library's speed for matrices of the model's shapes at its rows (`Machine.linear`), its attention at
-what one `scaled_dot_product_attention` call over that many keys takes (`Machine.attention`). The
-rest is overhead the roofline does not see: every eager PyTorch op is a Python call and a dispatch
-(a kernel launch on a GPU), and every `.item()` waits for the device. The step's counts come from
-the model's config by formula (`decode_step`, `packed_step`); the machine's constants come from the
-probes in `probes.py`. Nothing here times a step, so a prediction is made before the measurement it
-predicts (lessons/cost-model/README.md).
+cache, activations) or done its arithmetic, whichever takes longer. Real kernels fall short of it,
+so where the machine's probes cover a step's kernels they price it instead: an eager step's weight
+matrices at the matrix library's speed for matrices of the model's shapes at its rows
+(`Machine.linear`) and its attention at what one `scaled_dot_product_attention` call per layer over
+that many keys takes (`Machine.attention`); a compiled step's weight matrices at the speed of the
+kernels a compiled graph runs for their format at one row. The rest is overhead the roofline does
+not see: every eager PyTorch op is a Python call and a dispatch (a kernel launch on a GPU), and every
+`.item()` waits for the device. The step's counts come from the model's config by formula
+(`decode_step`, `packed_step`); the machine's constants come from the probes in `probes.py`. Nothing
+here times a step, so a prediction is made before the measurement it predicts
+(lessons/cost-model/README.md).
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ class Step:
 
     `rows` is how many rows each weight matrix multiplies (batch x new tokens per row), `dtype` the weights' type
     and `kernels` who multiplies them: 'library' (eager PyTorch calls its matrix library, whose speed at `rows`
-    rows the machine's `linear` curve gives) or 'generated' (a compiled graph's kernels, whose speed at one row
-    the machine's `linear[dtype + " compiled"]` gives; the roofline where it is not known). `attention_flops` is the part of `flops` outside the weight matrices; `attention_calls` of
+    rows the machine's `linear` curve gives), 'generated' (a compiled graph's kernels, whose speed at one row
+    the machine's `linear[dtype + " compiled"]` gives; the roofline where it is not known) or 'roofline' (kernels
+    no probe covers, such as lesson 16's attention kernels on their own: the roofline prices them). `attention_flops` is the part of `flops` outside the weight matrices; `attention_calls` of
     `batch` rows with `queries` new tokens each over `keys` keys is how the eager step computes it (one call a
     layer; 0 where the step's attention is not one such call per layer, as in a packed step).
     """
@@ -130,7 +132,7 @@ class Step:
     tokens: float = 1.0
     rows: int = 1
     dtype: str = "float32"
-    kernels: str = "generated"
+    kernels: str = "roofline"
     attention_flops: float = 0.0
     head_bytes: float = 0.0  # the part of weight_bytes that is the LM head, which multiplies only head_rows rows
     head_rows: int = 1
@@ -169,8 +171,8 @@ def work_seconds(step: Step, machine: Machine) -> float:
         curve, head_curve = step.dtype, step.head_dtype or step.dtype
     else:  # generated kernels were probed at one row: a compiled step over more is priced by the roofline
         curve, head_curve = f"{step.dtype} compiled", f"{step.head_dtype or step.dtype} compiled"
-    per_byte = machine.linear_seconds_per_byte(curve, step.rows) if step.kernels == "library" or step.rows == 1 \
-        else None
+    probed = step.kernels == "library" or (step.kernels == "generated" and step.rows == 1)
+    per_byte = machine.linear_seconds_per_byte(curve, step.rows) if probed else None
     if per_byte is None:
         return roofline_seconds(step, machine)
     head_per_byte = machine.linear_seconds_per_byte(head_curve, step.head_rows, part="head") or per_byte

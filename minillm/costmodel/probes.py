@@ -1,13 +1,14 @@
 """The machine's constants, each from one small probe, and a counter of the ops a real step dispatches.
 
 The cost model (`model.py`) needs read bandwidth, peak arithmetic, the cost of one eager op and of one
-host sync, and the speed of the two library kernels an eager step spends most of its time in: matrix
-products of the model's shapes at a few rows, and attention over a cache. Each is measured here by a
-probe that times something other than the step it will predict (a `torch.sum` over a GiB, a 512-cube
-matmul, the small ops of a norm and an activation at the model's width, an `.item()`, random matrices
-of the model's shapes, attention calls on random keys), so a prediction made from them is made before,
-and independently of, the measurement it is compared with. `count_ops` checks the model's op counts
-against what PyTorch really dispatches.
+host sync, and the speed of the kernels a step spends most of its time in: the matrix library's products
+of the model's shapes at a few rows and its attention calls over a cache (an eager step), and the kernels
+a compiled graph runs for each weight format (a compiled step). Each is measured here by a probe that
+times something other than the step it will predict (a `torch.sum` over a GiB, a 512-cube matmul, an
+`.item()`, a decode step of the same model at a width where nothing is computed, random matrices of the
+model's shapes, attention calls on random keys, a compiled graph of random matrices), so a prediction
+made from them is made before, and independently of, the measurement it is compared with. `count_ops`
+checks the model's op counts against what PyTorch really dispatches.
 """
 
 from __future__ import annotations
