@@ -48,11 +48,11 @@ SMOLLM2_135M = ModelConfig(vocab_size=49152, context_length=8192, n_layer=30, n_
                            qkv_bias=False)
 
 
-def log_interpolate(curve, x: float, beyond: str = "proportional") -> float | None:
+def log_interpolate(curve, x: float) -> float | None:
     """The curve's value at `x`, log-linear between its (x, y) points; None for an empty curve.
 
     Below the first point: the first value (a kernel does not get cheaper than its smallest probed call).
-    Past the last: the last value scaled by x / last x (`beyond` 'proportional': the work grows with x there).
+    Past the last: the last value scaled by x / last x (the work grows with x there).
     """
     curve = sorted(curve)
     if not curve:
@@ -118,7 +118,8 @@ class Step:
     and `kernels` who multiplies them: 'library' (eager PyTorch calls its matrix library, whose speed at `rows`
     rows the machine's `linear` curve gives), 'generated' (a compiled graph's kernels, whose speed at one row
     the machine's `linear[dtype + " compiled"]` gives; the roofline where it is not known) or 'roofline' (kernels
-    no probe covers, such as lesson 16's attention kernels on their own: the roofline prices them). `attention_flops` is the part of `flops` outside the weight matrices; `attention_calls` of
+    no probe covers, such as lesson 16's attention kernels on their own: the roofline prices them).
+    `attention_flops` is the part of `flops` outside the weight matrices; `attention_calls` of
     `batch` rows with `queries` new tokens each over `keys` keys is how the eager step computes it (one call a
     layer; 0 where the step's attention is not one such call per layer, as in a packed step).
     """
@@ -317,8 +318,7 @@ def decode_step(config: ModelConfig, batch: int = 1, context: int = 256, bytes_p
                 tokens=batch * yielded, rows=batch * new, dtype=dtype,
                 kernels="library" if graph == "eager" else "generated", attention_flops=attention,
                 head_bytes=head, head_rows=batch * tokens_per_row, head_dtype=head_dtype,
-                attention_calls=config.n_layer, batch=batch,
-                queries=new, keys=context)
+                attention_calls=config.n_layer, batch=batch, queries=new, keys=context)
 
 
 def packed_step(config: ModelConfig, prefill_tokens: int, decode_rows: int, chunks: int, keys: int,

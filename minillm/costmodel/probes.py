@@ -13,7 +13,6 @@ checks the model's op counts against what PyTorch really dispatches.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..model.attention import causal_mask_lower_right
 from ..model.config import ModelConfig
 from ..speed.huge_pages import into_huge_pages
 from ..speed.onednn import use_onednn
@@ -231,8 +231,7 @@ def measure_attention_seconds(config: ModelConfig = SMOLLM2_135M, bursts: int = 
                 layers = max(1, min(config.n_layer, int(cache_bytes // (2 * batch * kv * keys * hd * 4))))
                 q = torch.randn(batch, kv, group * queries, hd)
                 cache = [(torch.randn(batch, kv, keys, hd), torch.randn(batch, kv, keys, hd)) for _ in range(layers)]
-                mask = (torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries).repeat(group, 1)
-                        if queries > 1 else None)
+                mask = causal_mask_lower_right(queries, keys, "cpu").repeat(group, 1) if queries > 1 else None
 
                 def step(q=q, cache=cache, mask=mask):
                     for k, v in cache:
@@ -244,7 +243,7 @@ def measure_attention_seconds(config: ModelConfig = SMOLLM2_135M, bursts: int = 
     return calls
 
 
-COMPILED_FORMATS = ("float32", "bfloat16", "int8", "int4")  # a compiled step's weights: plain, or as `--quant` holds them
+COMPILED_FORMATS = ("float32", "bfloat16", "int8", "int4")  # a compiled step's weights: plain, or as --quant holds them
 
 
 class LinearsProbe(nn.Module):
@@ -291,6 +290,7 @@ def measure_compiled_rates(shapes=tuple(block_matrix_shapes(SMOLLM2_135M)), form
     on the AMD EPYC, whose eight came within 5% of a whole compiled decode step's weight rate).
     """
     from ..speed.inductor import inductor_settings, matmul_kernels
+    from ..speed.quantize_model import weight_bytes as model_weight_bytes
 
     flush = torch.ones(flush_bytes // 4)
     rates = {}
@@ -298,7 +298,7 @@ def measure_compiled_rates(shapes=tuple(block_matrix_shapes(SMOLLM2_135M)), form
         probe = LinearsProbe(probe_layers(fmt, shapes, copies)).eval()
         dtype = torch.float32 if fmt == "float32" else torch.bfloat16
         inputs = [torch.randn(1, width).to(dtype) for width in probe.widths]
-        weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(probe.parameters(), probe.buffers()))
+        weight_bytes = model_weight_bytes(probe)
         with torch.no_grad():
             with inductor_settings(matmul_kernels(probe, rows=1), "cpu"):
                 compiled = torch.compile(probe, fullgraph=True, dynamic=False)
