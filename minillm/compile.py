@@ -1,8 +1,9 @@
 """`python -m minillm.compile`: build the compiled decode graphs ahead of time, so every later run loads them.
 
 The graphs are AOTInductor packages kept under $MINILLM_HOME (`minillm.speed.graph_store`),
-one per model, quantization, batch size and cache-length bucket, and with --serve the
-server engine's one decode step over its paged cache. `python -m minillm.infer`,
+one per model, quantization and batch size, each serving every cache length up to the model's
+context (the length is symbolic in the package), and with --serve the server engine's one decode
+step over its paged cache. `python -m minillm.infer`,
 `generate` and the server use one whenever it is already built for their run. A CPU's: on a
 GPU the runner records its step as a CUDA graph in each run instead (`minillm.speed.cuda_graph`).
 """
@@ -15,9 +16,9 @@ import sys
 from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
 
 EPILOG = """examples:
-  python -m minillm.compile                                # the default model, batch 1, runs of up to 256 tokens
+  python -m minillm.compile                                # the default model, batch 1, runs of any length
   python -m minillm.compile --quant gguf                   # the same, on the GGUF's own 4-bit blocks
-  python -m minillm.compile --batch-size 1 --batch-size 8 --length 256 --length 1024
+  python -m minillm.compile --batch-size 1 --batch-size 8  # batch 1 and batch 8
   python -m minillm.compile --serve                         # the server's decode step (python -m minillm.serve)
   python -m minillm.compile --list                          # what is built, and how big
 """
@@ -33,10 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_flag(p)
     p.add_argument("--batch-size", type=int, action="append", metavar="N",
                    help="rows decoded together (repeatable; default 1: one prompt, as the CLI runs it)")
-    p.add_argument("--length", type=int, action="append", metavar="N",
-                   help="the most tokens a row holds, prompt plus generated (repeatable; default 256); rounded up "
-                        "to the cache-length bucket (a power of two from 256, capped at the model's context), so "
-                        "one graph serves every run up to its bucket")
     p.add_argument("--verify-tokens", type=int, action="append", metavar="N",
                    help="also build the verify graph speculative decoding needs: N = tokens drafted per round + 1 "
                         "(5 for --speculative prompt-lookup or model with the default 4; 17 for lookahead's default "
@@ -65,11 +62,11 @@ def list_graphs() -> int:
 def run(args) -> int:
     if args.list:
         return list_graphs()
-    batches, lengths, verify = args.batch_size or [1], args.length or [256], args.verify_tokens or []
-    if args.serve and (args.batch_size or args.length or args.verify_tokens):
+    batches, verify = args.batch_size or [1], args.verify_tokens or []
+    if args.serve and (args.batch_size or args.verify_tokens):
         raise ValueError("--serve builds the one server step, whose rows and lengths are not fixed: drop "
-                         "--batch-size, --length and --verify-tokens")
-    for flag, values in (("--batch-size", batches), ("--length", lengths), ("--verify-tokens", verify or [2]),
+                         "--batch-size and --verify-tokens")
+    for flag, values in (("--batch-size", batches), ("--verify-tokens", verify or [2]),
                          ("--block-size", [args.block_size])):
         if min(values) < 1:
             raise ValueError(f"{flag} {min(values)} is invalid: must be >= 1")
@@ -88,9 +85,10 @@ def run(args) -> int:
     if args.serve:
         shapes = [PagedShape(args.block_size)]
     else:
-        shapes = {StepShape.decode(model.config, b, n) for b in batches for n in lengths}
-        shapes |= {StepShape.verify(model.config, b, t, n) for b in batches for n in lengths for t in verify}
-        shapes = sorted(shapes, key=lambda s: (s.batch, s.cache_len, s.tokens))
+        # Every cache length in one package: the length symbolic (measured as fast as a package built for one).
+        shapes = {StepShape.decode(model.config, b, None).any_length() for b in batches}
+        shapes |= {StepShape.verify(model.config, b, t, None).any_length() for b in batches for t in verify}
+        shapes = sorted(shapes, key=lambda s: (s.batch, s.tokens))
     compiled = compile_model(model, kept=True)
     for shape in shapes:
         seconds = compiled.prepare([shape])

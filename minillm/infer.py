@@ -8,6 +8,7 @@ set MINILLM_DEBUG=1 to see the traceback too.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from .base import jsonio
@@ -25,6 +26,19 @@ EPILOG = """examples:
   python -m minillm.infer --prompt "In which year did the Berlin Wall fall?" --regex "(19|20)[0-9]{2}"
   python -m minillm.infer --prompt "Give a book as JSON" --json-schema book.json
 """
+
+
+def compile_command(args, rows: int, num_draft_tokens: int | None) -> str:
+    """The exact `python -m minillm.compile` command that builds the graphs this run looked for (`rows` decoded
+    together; with `num_draft_tokens`, speculative decoding's verify graph too)."""
+    flags = [(flag, value) for flag, value, default in (("--model", args.model, "default"),
+                                                        ("--dtype", args.dtype, "float32"),
+                                                        ("--quant", args.quant, "none"),
+                                                        ("--batch-size", rows, 1))
+             if value != default]
+    if num_draft_tokens is not None:
+        flags.append(("--verify-tokens", num_draft_tokens + 1))
+    return " ".join(["python -m minillm.compile", *(f"{flag} {shlex.quote(str(value))}" for flag, value in flags)])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the plain from-scratch model, without the fast paths swapped in after loading "
                         "(oneDNN float32 matmuls on CPU); same tokens, slower")
     add_graph_flags(p, compile_help="decode through the compiled graph (lesson 15), building it first when it is "
-                    "not on disk yet (40 s to three minutes on two cores, once per model, batch size and length bucket; "
+                    "not on disk yet (40 s to three minutes on two cores, once per model and batch size, for every length; "
                     "`python -m minillm.compile` builds it ahead); with --device cuda it is compiled in the run and "
                     "captured as a CUDA graph before the first token (one launch per step); same tokens in float32; "
                     "plain generation with --cache static only")
@@ -343,15 +357,14 @@ def run(args) -> int:
                                   streamer=PrintStreamer() if stream else None, compile=compile)
     if compile is None and out.stats.extra.get("graph") == "eager" and args.cache == "static" \
             and model.device.type == "cpu":  # a GPU keeps no package: --compile captures one in the run
-        verify = f" --verify-tokens {out.stats.extra['num_draft_tokens'] + 1}" if args.speculative else ""
+        build = compile_command(args, 1 if args.speculative else min(args.batch_size, len(prompts)),
+                                out.stats.extra.get("num_draft_tokens"))
         if damaged := out.stats.extra.get("kept_problem"):
             print(f"minillm: decoded eagerly: the kept compiled graph {damaged}, so it was not loaded; "
-                  f"`python -m minillm.compile{verify}` (same --model/--dtype/--quant) builds it again",
-                  file=sys.stderr)
+                  f"`{build}` builds it again", file=sys.stderr)
         else:
-            print(f"minillm: decoded eagerly: `python -m minillm.compile{verify}` (same --model/--dtype/--quant) "
-                  "builds the compiled graphs once, and later runs load them in seconds and decode faster",
-                  file=sys.stderr)
+            print(f"minillm: decoded eagerly: `{build}` builds the compiled graphs once, and later runs load them "
+                  "in seconds and decode faster", file=sys.stderr)
     per_prompt = beam["num_return_sequences"] if beam else 1
     for i, row in enumerate(out.rows):
         prompt = prompts[i // per_prompt]

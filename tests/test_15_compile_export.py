@@ -32,7 +32,7 @@ from minillm.speed.compile import CompiledModel, compile_model
 from minillm.speed.export import export_onnx
 from minillm.speed.inductor import MATMUL_KERNELS
 from minillm.speed.onnx_model import ExportError, OnnxModel
-from minillm.speed.step_shapes import context_bucket
+from minillm.speed.step_shapes import StepShape, any_length_cache, context_bucket
 from minillm.strategies.drafters import PromptLookup
 from minillm.strategies.generate import generate
 from minillm.strategies.speculative import speculative_generate
@@ -112,7 +112,7 @@ def test_matmul_kernels_follow_the_model_and_the_rows():
     from minillm.model.transformer import Transformer
     from minillm.speed.inductor import GENERATED_MIN_ELEMENTS, matmul_kernels
     from minillm.speed.quantize_model import quantize_model
-    from minillm.speed.step_shapes import PagedShape, StepShape
+    from minillm.speed.step_shapes import PagedShape
 
     tiny = tiny_pair("llama")[1]
     large = Transformer(ModelConfig(vocab_size=4096, context_length=64, n_layer=1, n_head=4, d_model=256))
@@ -195,6 +195,52 @@ def test_the_template_index_texts_are_parsed_once_to_the_same_expressions():
 def test_context_buckets_are_few_and_hold_the_run():
     assert [context_bucket(n, 8192) for n in (1, 200, 256, 257, 3000)] == [256, 256, 256, 512, 4096]
     assert context_bucket(500, 300) == 300  # never past the model's context
+
+
+def test_a_step_for_any_length_allocates_the_run_rounded_to_a_chunk():
+    """A kept package serves every cache length: the run allocates its own length, rounded up to the prefill chunk
+    (64) so a padded chunk fits, never past the context; the exported program keeps that length symbolic."""
+    assert [any_length_cache(n, 8192) for n in (1, 64, 65, 962)] == [64, 64, 128, 1024]
+    assert any_length_cache(8090, 8100) == 8100
+    shape = StepShape(1, 1, 256, 1).any_length()
+    assert shape.cache_len is None and shape.name == "decode-b1-t1-sany"
+    config = tiny_pair("llama", context_length=256)[1].config
+    dims = shape.dynamic_shapes(config)
+    assert dims[3] == {2: dims[5][0][2]} and len(dims[5]) == len(dims[6]) == config.n_layer  # mask, keys, values
+    assert StepShape(1, 1, 256, 1).dynamic_shapes(config) is None
+
+
+def test_a_prompt_over_a_compiled_runs_cache_attends_over_the_written_columns_alone():
+    """A prompt no graph was prepared for runs eagerly over the compiled run's fixed-shape cache: rows alike, it
+    attends causally over the columns written (`StaticCache.columns_in_use`), not over all of them behind a mask,
+    with the logits and cache of the masked way."""
+    from minillm.cache.kv_cache import StaticCache
+
+    _, model = tiny_pair("llama", context_length=256)
+    compiled = compile_model(model, kept=True)
+    compiled.only_prepared = True  # nothing prepared: every forward runs eagerly
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    positions = torch.arange(8)[None]
+    cache = StaticCache.for_model(model, 1, 256, fixed_shape=True)
+    spans = []
+    key_span = cache.key_span
+    with mock.patch.object(cache, "key_span", lambda new: spans.append(key_span(new)) or spans[-1]):
+        logits = compiled(tokens, positions, cache=cache)
+    masked_cache = StaticCache.for_model(model, 1, 256, fixed_shape=True)
+    mask = torch.arange(256) <= torch.arange(8)[None, :, None]
+    masked = model(tokens, positions, cache=masked_cache, mask=mask)
+    assert set(spans) == {8} and cache.fixed_shape and cache.lengths == [8]
+    torch.testing.assert_close(logits, masked, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.k, masked_cache.k)
+
+
+def test_the_eager_hint_names_the_exact_build_command():
+    from minillm.infer import build_parser, compile_command
+
+    args = build_parser().parse_args(["--prompt", "a", "--quant", "gguf", "--dtype", "bfloat16"])
+    assert compile_command(args, 1, None) == "python -m minillm.compile --dtype bfloat16 --quant gguf"
+    args = build_parser().parse_args(["--prompt", "a", "--model", "my model.gguf"])
+    assert compile_command(args, 3, 4) == "python -m minillm.compile --model 'my model.gguf' --batch-size 3 --verify-tokens 5"
 
 
 def test_cli_compile_flag_is_documented_and_checked():

@@ -10,6 +10,8 @@ then streams tokens. This suite runs exactly those commands, each in a fresh pro
     ... --quant int8 / gguf  the same two, on the quantized linears (lesson 14)
     llama.cpp F32/Q8_0/Q4_1  a process that loads the same weights with llama-cpp-python and
                              streams the same number of tokens (skipped when not installed)
+    ... long-prompt          float32 eager, compiled and llama.cpp F32 again with LONG_PROMPT
+                             (about 800 tokens): the prefill, and decoding over a long cache
 
 For each it records the wall time to the first streamed text and to exit, and the decode
 rate the process reports for itself. The builds happen in a fresh $MINILLM_HOME (the model
@@ -33,21 +35,23 @@ import torch
 
 from ..base.files import minillm_home
 from .common import REPO, alternate, finish_figure, median, plot_title, spread
+from .batch import TEXT
 from .llama_cpp import gguf_as, missing_reason
 
 PROMPT = ("The lighthouse keeper had not spoken to anyone in three weeks when the storm brought a stranger to "
           "the door. She")
+LONG_PROMPT = TEXT * 3  # the batch suite's paragraph on the printing press, three times: about 800 tokens
 STATS = re.compile(r"(\d+) decode tokens at ([\d.]+) tok/s")
 PATH = re.compile(r"\[path: (\w+)")
 
 
-def minillm_command(quant: str, eager: bool, new_tokens: int) -> list[str]:
-    return [sys.executable, "-m", "minillm.infer", "--prompt", PROMPT, "--no-chat", "--greedy", "--max-new-tokens",
+def minillm_command(quant: str, eager: bool, new_tokens: int, prompt: str = PROMPT) -> list[str]:
+    return [sys.executable, "-m", "minillm.infer", "--prompt", prompt, "--no-chat", "--greedy", "--max-new-tokens",
             str(new_tokens), "--quant", quant, "--stats", *(["--eager"] if eager else [])]
 
 
-def llama_command(gguf: Path, new_tokens: int) -> list[str]:
-    return [sys.executable, "-m", "minillm.bench.processes", "llama", str(gguf), str(new_tokens)]
+def llama_command(gguf: Path, new_tokens: int, prompt: str = PROMPT) -> list[str]:
+    return [sys.executable, "-m", "minillm.bench.processes", "llama", str(gguf), str(new_tokens), prompt]
 
 
 def timed_process(command: list[str], env: dict) -> dict:
@@ -123,6 +127,14 @@ def run(args) -> dict:
         for kind, path in ggufs.items():
             contenders[f"llama.cpp {kind}"] = recorder(records, f"llama.cpp {kind}", llama_command(path, new_tokens),
                                                        env)
+        if not quick:  # a long prompt: float32 only, against llama.cpp's F32
+            for eager in (True, False):
+                name = f"minillm long-prompt {'eager' if eager else 'compiled'}"
+                contenders[name] = recorder(records, name, minillm_command("none", eager, new_tokens, LONG_PROMPT), env)
+            if "F32" in ggufs:
+                contenders["llama.cpp long-prompt F32"] = recorder(records, "llama.cpp long-prompt F32",
+                                                                   llama_command(ggufs["F32"], new_tokens, LONG_PROMPT),
+                                                                   env)
         alternate(contenders, repeats=repeats, warmup=1, desc="whole processes")
     rows = {}
     for name, runs in records.items():
@@ -138,7 +150,8 @@ def run(args) -> dict:
             row["same_text_as_eager"] = row["text"] == rows[name.replace("compiled", "eager")]["text"]
         print(f"{name:26s} first text {row['first_text_seconds']:5.2f} s, exit {row['seconds']:5.2f} s, decode "
               f"{row['decode_tokens_per_second']:6.1f} tok/s ({row['path'] or 'llama.cpp'})", flush=True)
-    return {"model": args.model, "quick": quick, "prompt": PROMPT, "new_tokens": new_tokens, "repeats": repeats,
+    return {"model": args.model, "quick": quick, "prompt": PROMPT, "long_prompt": None if quick else LONG_PROMPT,
+            "new_tokens": new_tokens, "repeats": repeats,
             "threads": torch.get_num_threads(), "llama_cpp": llama, "first_build_seconds": builds,
             "contenders": rows}
 
@@ -174,14 +187,15 @@ def plot(data: dict, path) -> None:
     finish_figure(fig, path)
 
 
-def llama_child(gguf: str, new_tokens: int) -> None:
-    """The llama.cpp contender's process: load the GGUF, stream `new_tokens` greedy tokens, report the rate."""
+def llama_child(gguf: str, new_tokens: int, prompt: str) -> None:
+    """The llama.cpp contender's process: load the GGUF, stream `new_tokens` greedy tokens after `prompt`, report
+    the rate."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf, n_ctx=512, n_threads=torch.get_num_threads(),
+    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=torch.get_num_threads(),
                 n_threads_batch=torch.get_num_threads(), verbose=False, use_extra_bufts=False)
     times = []
-    for chunk in llm.create_completion(PROMPT, max_tokens=new_tokens, temperature=0, stream=True):
+    for chunk in llm.create_completion(prompt, max_tokens=new_tokens, temperature=0, stream=True):
         times.append(time.perf_counter())
         sys.stdout.write(chunk["choices"][0]["text"])
         sys.stdout.flush()
@@ -190,4 +204,4 @@ def llama_child(gguf: str, new_tokens: int) -> None:
 
 
 if __name__ == "__main__":  # the llama.cpp contender's own process (`llama_command`)
-    llama_child(sys.argv[2], int(sys.argv[3]))
+    llama_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])

@@ -23,6 +23,8 @@ whoever calls the model then passes a mask that hides them (the session does).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -196,6 +198,17 @@ class StaticCache(KVCache):
 
     def key_span(self, new_tokens):
         return self.max_len if self.fixed_shape else super().key_span(new_tokens)
+
+    @contextmanager
+    def columns_in_use(self):
+        """While open, `update` returns only the columns written so far and the new ones, as a cache that is not
+        fixed-shape does: an eager forward over a compiled run's cache (a long prompt) then attends causally over
+        those alone, rather than over every column behind a mask."""
+        fixed, self.fixed_shape = self.fixed_shape, False
+        try:
+            yield self
+        finally:
+            self.fixed_shape = fixed
 
     def _write(self, layer, k_new, v_new):
         B, T = k_new.shape[0], k_new.shape[2]

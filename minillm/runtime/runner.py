@@ -14,11 +14,12 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
 
     cache   "static" (preallocated, lesson 06), "dynamic" (grows), "none" (recompute: the
             baseline the cache is measured against), or "paged" (a block pool, lesson 12)
-    graph   "eager" (the model's own forward) or "compiled" (a fixed-shape decode graph, and with
-            `verify_tokens` a verify graph for drafts, over a static cache of a bucketed length,
-            lesson 15: `minillm.speed.compile`; on a CPU kept on disk as an AOTInductor package by
-            `minillm.speed.graph_store` and loaded, or built once; on a GPU compiled in the process and
-            captured as a CUDA graph; either way when the runner is made: before the first step,
+    graph   "eager" (the model's own forward) or "compiled" (a decode graph, and with `verify_tokens`
+            a verify graph for drafts, over a fixed-shape static cache, lesson 15: `minillm.speed.compile`;
+            on a CPU kept on disk as an AOTInductor package by `minillm.speed.graph_store` and loaded,
+            or built once, one package for every cache length (its length symbolic: `StepShape.any_length`,
+            measured as fast as a package of one fixed length); on a GPU compiled in the process for a
+            bucketed length and captured as a CUDA graph; either way when the runner is made: before the first step,
             never inside the loop; prompts run eagerly over the same cache, which measured faster
             than compiled chunks); over the paged cache, one kept package for the engine's steps in
             which every sequence decodes one token, its rows and lengths symbolic (`PagedShape`;
@@ -47,7 +48,7 @@ from ..model.attention import uses_default_attention
 from ..speed.compile import compile_model
 from ..speed.huge_pages import place_deferred
 from ..speed.onnx_model import OnnxModel, OnnxSession
-from ..speed.step_shapes import PagedShape, StepShape
+from ..speed.step_shapes import PagedShape, StepShape, any_length_cache
 from .sequence import Sequence
 from .session import DecodeSession, Tree
 
@@ -73,6 +74,8 @@ class ModelRunner:
         shapes = [StepShape.decode(model.config, max_batch, max_len)]  # the compiled graphs the run needs
         if verify_tokens and verify_tokens > 1:
             shapes.append(StepShape.verify(model.config, max_batch, verify_tokens, max_len))
+        if not exported and model.device.type == "cpu":  # kept packages: one serves every cache length
+            shapes = [shape.any_length() for shape in shapes]
         if cache == "paged":  # the engine's one step that is compiled: every sequence decoding
             shapes = [PagedShape(block_size)]
         self.kept_problem = None  # with graph="auto": why a kept graph this run could use was not (not "missing")
@@ -117,7 +120,9 @@ class ModelRunner:
             # On a CPU the graphs are AOTInductor packages kept on disk; on a GPU they are compiled in this
             # process and captured as CUDA graphs over this runner's cache, both before the first token.
             compiled = compile_model(model, kept=model.device.type == "cpu")
-            self.session = DecodeSession(compiled, cache, shapes[0].cache_len, max_batch, fixed_shape=True)
+            cache_len = shapes[0].cache_len or any_length_cache(max_len or model.config.context_length,
+                                                                model.config.context_length)
+            self.session = DecodeSession(compiled, cache, cache_len, max_batch, fixed_shape=True)
             self.build_seconds = compiled.prepare(shapes, self.session)
         else:
             self.session = DecodeSession(model, cache, max_len, max_batch)

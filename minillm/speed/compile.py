@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 
 import torch
 from tqdm.auto import tqdm
@@ -99,6 +98,13 @@ class CompiledModel:
         # stay one opaque library call per layer.
         set_attention_backend(graph_model, make_backend("naive"))
         return CacheStep(graph_model).eval()
+
+    def prepared_for(self, shape: StepShape):
+        """What `prepare` made ready to run a step of `shape`: its own package, or one for any cache length; or None."""
+        prepared = self.packages.get(shape)
+        if prepared is None and isinstance(shape, StepShape):
+            prepared = self.packages.get(shape.any_length())
+        return prepared
 
     def kept_problem(self, shape: StepShape) -> str | None:
         """None when an intact kept package for `shape` is on disk (so `prepare` would load rather than build it);
@@ -209,7 +215,7 @@ class CompiledModel:
         (which, met for the first time, compiles: its wall time is added to `compile_seconds`).
         args: `CacheStep.forward`'s."""
         shape = StepShape.of_step(*args)
-        prepared = self.packages.get(shape)
+        prepared = self.prepared_for(shape)
         if isinstance(prepared, (PackagedStep, CapturedStep)):
             return prepared(*args)
         # Set while the step runs: a graph compiles on its first call.
@@ -230,18 +236,21 @@ class CompiledModel:
                                f"{T} more were asked for; create it with a larger max_len")
         starts = torch.tensor(lengths, device=tokens.device)[:, None]  # [B, 1]
         columns = starts + torch.arange(T, device=tokens.device)  # [B, T]: row b's token at its length + t
-        if mask is None:  # causal: a token sees the columns up to its own
-            mask = torch.arange(cache.max_len, device=tokens.device) <= columns[:, :, None]  # [B, T, S]
+        causal = torch.arange(cache.max_len, device=tokens.device) <= columns[:, :, None]  # [B, T, S]
+        mask = causal if mask is None else mask  # none given: a token sees the columns up to its own
         step = spare_rows_fed(cache.k.shape[1], tokens, positions, columns, mask)  # each [rows, T, ...]
         # One tensor per layer, not the [n_layer, ...] storage they are views of: written through a view of
         # one big input, the compiled graph would copy every layer's keys out and back each step.
         keys, values = cache.k_layers, cache.v_layers
-        if T == 1 and (not self.only_prepared or StepShape.of_step(*step, None, keys, values) in self.packages):
+        if T == 1 and (not self.only_prepared or self.prepared_for(StepShape.of_step(*step, None, keys, values)) is not None):
             logits = self._timed(*step, None, keys, values)[:B]
         else:
             logits = self._chunked(*step, last_only, logits_at, keys, values, cache)
             if logits is None:
                 self.eager_calls += 1
+                if len(set(lengths)) == 1 and torch.equal(mask, causal):  # rows alike, plain causal: a prompt
+                    with cache.columns_in_use():  # attend over the columns written, skipping the masked half
+                        return self.model(tokens, positions, cache=cache, last_only=last_only, logits_at=logits_at)
                 return self.model(tokens, positions, cache=cache, mask=mask, last_only=last_only,
                                   logits_at=logits_at)
             logits = logits[:B]
@@ -253,7 +262,7 @@ class CompiledModel:
         the shortest verify step prepared that holds them (a shorter draft is padded to it); else `chunk`."""
         if self.only_prepared:
             fits = [s.tokens for s in self.packages if s.tokens == s.logits >= tokens > 1
-                    and (s.batch, s.cache_len) == (rows, cache_len)]
+                    and s.batch == rows and s.cache_len in (cache_len, None)]
             if fits:
                 return min(fits)
         return self.chunk
@@ -278,7 +287,8 @@ class CompiledModel:
             wanted = torch.cat((wanted, wanted[-1:].expand(B - len(wanted), -1)))  # the spare rows' too
         else:
             wanted = None  # every position: logits for each whole chunk
-        if self.only_prepared and StepShape(B, C, cache.max_len, C if wanted is None else wanted.shape[1]) not in self.packages:
+        if self.only_prepared and self.prepared_for(StepShape(B, C, cache.max_len,
+                                                              C if wanted is None else wanted.shape[1])) is None:
             return None  # no graph was built for this shape: the eager forward over the same cache
         if pad:
             ahead = torch.arange(1, pad + 1, device=tokens.device)
@@ -317,7 +327,19 @@ def spare_rows_fed(rows: int, tokens, positions, columns, mask):
             torch.cat((mask, first_column)))
 
 
-_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class CompiledTwins(dict):
+    """A model's compiled twins, kept on the model itself: (chunk, matmuls, kept) -> CompiledModel.
+
+    A twin holds its model, so a table outside the model (a WeakKeyDictionary keyed by it) would keep
+    every model ever compiled alive: the value holds the key. On the model, the two form a cycle that
+    the garbage collector frees with the model. A copy of the model starts with no twins.
+    """
+
+    def __deepcopy__(self, memo) -> "CompiledTwins":
+        return CompiledTwins()
+
+    def __reduce__(self):
+        return CompiledTwins, ()
 
 
 def compile_model(model, chunk: int = 64, matmuls: str | None = None, kept: bool = False) -> CompiledModel:
@@ -332,10 +354,10 @@ def compile_model(model, chunk: int = 64, matmuls: str | None = None, kept: bool
     """
     if isinstance(model, CompiledModel):
         return model
-    per_model = _COMPILED.setdefault(model, {})
-    if (chunk, matmuls, kept) not in per_model:
-        per_model[chunk, matmuls, kept] = CompiledModel(model, chunk, matmuls, kept)
-    return per_model[chunk, matmuls, kept]
+    twins = model.__dict__.setdefault("_compiled_twins", CompiledTwins())
+    if (chunk, matmuls, kept) not in twins:
+        twins[chunk, matmuls, kept] = CompiledModel(model, chunk, matmuls, kept)
+    return twins[chunk, matmuls, kept]
 
 
 __all__ = ["CompiledModel", "compile_model", "spare_rows_fed"]

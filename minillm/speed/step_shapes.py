@@ -8,7 +8,7 @@ it exports; `context_bucket` rounds a run's length to the cache lengths graphs a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,14 +20,19 @@ class StepShape:
     """The fixed shapes of one compiled step.
 
     batch: rows; tokens: T fed per row (1 to decode, the chunk length to prefill or verify);
-    cache_len: S, the cache columns every step sees; logits: K positions per row that get
+    cache_len: S, the cache columns every step sees, or None: any S, read at each call (one
+    package for every cache length: `any_length`); logits: K positions per row that get
     logits (1: the prompt's last; T: every fed token, as decode and verify need).
     """
 
     batch: int
     tokens: int
-    cache_len: int
+    cache_len: int | None
     logits: int
+
+    def any_length(self) -> "StepShape":
+        """The same step over a cache of any length: S symbolic in the exported program."""
+        return replace(self, cache_len=None)
 
     @property
     def rows(self) -> int:
@@ -37,7 +42,7 @@ class StepShape:
     @property
     def name(self) -> str:
         kind = "decode" if self.tokens == 1 else "prefill" if self.logits == 1 else "verify"
-        return f"{kind}-b{self.batch}-t{self.tokens}-s{self.cache_len}"
+        return f"{kind}-b{self.batch}-t{self.tokens}-s{self.cache_len or 'any'}"
 
     @classmethod
     def of_step(cls, tokens, positions, columns, mask, logits_at, keys, values) -> "StepShape":
@@ -58,7 +63,7 @@ class StepShape:
 
     def example_inputs(self, config, dtype: torch.dtype, device) -> tuple:
         """Inputs of `CacheStep.forward` with these shapes (their values only need to be valid)."""
-        B, T, S = self.batch, self.tokens, self.cache_len
+        B, T, S = self.batch, self.tokens, self.cache_len or min(ANY_LENGTH_HINT, config.context_length)
         tokens = torch.zeros(B, T, dtype=torch.long, device=device)
         columns = torch.arange(T, device=device).expand(B, T).contiguous()  # [B, T]
         mask = torch.arange(S, device=device) <= columns[:, :, None]  # [B, T, S]
@@ -68,10 +73,16 @@ class StepShape:
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         return tokens, columns.clone(), columns, mask, logits_at, keys, values
 
-
     def dynamic_shapes(self, config):
-        """Every size of this step is fixed: nothing symbolic for `torch.export`."""
-        return None
+        """What `torch.export` keeps symbolic (one entry per input): nothing, or with `cache_len` None the cache's
+        length in the mask [B, T, S] and in every layer's keys and values [B, KV, S, hd]."""
+        if self.cache_len is not None:
+            return None
+        from torch.export import Dim
+
+        length = Dim("cache_len", min=self.tokens + 1, max=config.context_length)
+        layers = [{2: length}] * config.n_layer
+        return None, None, None, {2: length}, None, layers, layers
 
     def module(self, cache_step):
         """The unit exported for this shape: the `CacheStep` itself."""
@@ -134,7 +145,17 @@ class PagedShape:
         return PagedDecodeStep(cache_step.model, self.block_size).eval()
 
 
+# The cache length an any-length step is traced with: Inductor reads it as a hint of the sizes it will meet when it
+# decides which loops to split across threads (`PagedShape.example_inputs`).
+ANY_LENGTH_HINT = 512
 SMALLEST_BUCKET = 256  # cache lengths: powers of two from here, so short and medium runs share one graph
+
+
+def any_length_cache(tokens: int, context_length: int) -> int:
+    """The cache length a run of `tokens` tokens allocates for a step built for any length: the next multiple of
+    64 (the prefill chunk, so a padded chunk still fits), capped at the model's context. Every step attends over
+    all of it, masked: the closer to the run's own length, the fewer columns each step reads."""
+    return min(context_length, -(-max(tokens, 1) // 64) * 64)
 
 
 def context_bucket(tokens: int, context_length: int) -> int:
@@ -144,4 +165,4 @@ def context_bucket(tokens: int, context_length: int) -> int:
     return min(context_length, max(SMALLEST_BUCKET, 1 << (tokens - 1).bit_length()))
 
 
-__all__ = ["PagedShape", "SMALLEST_BUCKET", "StepShape", "context_bucket"]
+__all__ = ["ANY_LENGTH_HINT", "PagedShape", "SMALLEST_BUCKET", "StepShape", "any_length_cache", "context_bucket"]
