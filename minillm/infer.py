@@ -74,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the plain from-scratch model, without the fast paths swapped in after loading "
                         "(oneDNN float32 matmuls on CPU); same tokens, slower")
     add_graph_flags(p, compile_help="decode through the compiled graph (lesson 15), building it first when it is "
-                    "not on disk yet (40 s to three minutes on two cores, once per model and batch size, for every length; "
-                    "`python -m minillm.compile` builds it ahead); with --device cuda it is compiled in the run and "
-                    "captured as a CUDA graph before the first token (one launch per step); same tokens in float32; "
-                    "plain generation with --cache static only")
+                    "not on disk yet (40 s to three minutes on two cores, once per model and batch size, for every "
+                    "length; `python -m minillm.compile` builds it ahead); with --device cuda it is compiled in the "
+                    "run and captured as a CUDA graph before the first token (one launch per step); same tokens in "
+                    "float32; plain generation with --cache static only")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive", "flash"),
                    help="attention kernel (lesson 16): 'sdpa' (PyTorch's, default), 'naive' (the full score "
                         "matrix, memory grows with the square of the length) or 'flash' (tiled, online softmax); "

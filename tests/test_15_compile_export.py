@@ -240,7 +240,8 @@ def test_the_eager_hint_names_the_exact_build_command():
     args = build_parser().parse_args(["--prompt", "a", "--quant", "gguf", "--dtype", "bfloat16"])
     assert compile_command(args, 1, None) == "python -m minillm.compile --dtype bfloat16 --quant gguf"
     args = build_parser().parse_args(["--prompt", "a", "--model", "my model.gguf"])
-    assert compile_command(args, 3, 4) == "python -m minillm.compile --model 'my model.gguf' --batch-size 3 --verify-tokens 5"
+    assert compile_command(args, 3, 4) == ("python -m minillm.compile --model 'my model.gguf' --batch-size 3 "
+                                           "--verify-tokens 5")
 
 
 def test_cli_compile_flag_is_documented_and_checked():

@@ -242,7 +242,8 @@ class CompiledModel:
         # One tensor per layer, not the [n_layer, ...] storage they are views of: written through a view of
         # one big input, the compiled graph would copy every layer's keys out and back each step.
         keys, values = cache.k_layers, cache.v_layers
-        if T == 1 and (not self.only_prepared or self.prepared_for(StepShape.of_step(*step, None, keys, values)) is not None):
+        ready = not self.only_prepared or self.prepared_for(StepShape.of_step(*step, None, keys, values)) is not None
+        if T == 1 and ready:
             logits = self._timed(*step, None, keys, values)[:B]
         else:
             logits = self._chunked(*step, last_only, logits_at, keys, values, cache)

@@ -17,7 +17,7 @@ from .graph_forward import PagedDecodeStep
 
 @dataclass(frozen=True)
 class StepShape:
-    """The fixed shapes of one compiled step.
+    """The shapes of one compiled step: every size fixed, or all but the cache's length.
 
     batch: rows; tokens: T fed per row (1 to decode, the chunk length to prefill or verify);
     cache_len: S, the cache columns every step sees, or None: any S, read at each call (one
