@@ -11,6 +11,7 @@ GPU the runner records its step as a CUDA graph in each run instead (`minillm.sp
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
@@ -22,6 +23,19 @@ EPILOG = """examples:
   python -m minillm.compile --serve                         # the server's decode step (python -m minillm.serve)
   python -m minillm.compile --list                          # what is built, and how big
 """
+
+
+def compile_command(args, rows: int, num_draft_tokens: int | None) -> str:
+    """The exact `python -m minillm.compile` command that builds the graphs this run looked for (`rows` decoded
+    together; with `num_draft_tokens`, speculative decoding's verify graph too)."""
+    flags = [(flag, value) for flag, value, default in (("--model", args.model, "default"),
+                                                        ("--dtype", args.dtype, "float32"),
+                                                        ("--quant", args.quant, "none"),
+                                                        ("--batch-size", rows, 1))
+             if value != default]
+    if num_draft_tokens is not None:
+        flags.append(("--verify-tokens", num_draft_tokens + 1))
+    return " ".join(["python -m minillm.compile", *(f"{flag} {shlex.quote(str(value))}" for flag, value in flags)])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,12 +8,12 @@ set MINILLM_DEBUG=1 to see the traceback too.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
 from .base import jsonio
 from .base.cli_inputs import command_line_text, read_prompts_file, schema_text
 from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, run_command
+from .compile import compile_command
 from .decoding.outputs import check_fits_context, encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
 from .strategies.streaming import PrintStreamer
@@ -26,19 +26,6 @@ EPILOG = """examples:
   python -m minillm.infer --prompt "In which year did the Berlin Wall fall?" --regex "(19|20)[0-9]{2}"
   python -m minillm.infer --prompt "Give a book as JSON" --json-schema book.json
 """
-
-
-def compile_command(args, rows: int, num_draft_tokens: int | None) -> str:
-    """The exact `python -m minillm.compile` command that builds the graphs this run looked for (`rows` decoded
-    together; with `num_draft_tokens`, speculative decoding's verify graph too)."""
-    flags = [(flag, value) for flag, value, default in (("--model", args.model, "default"),
-                                                        ("--dtype", args.dtype, "float32"),
-                                                        ("--quant", args.quant, "none"),
-                                                        ("--batch-size", rows, 1))
-             if value != default]
-    if num_draft_tokens is not None:
-        flags.append(("--verify-tokens", num_draft_tokens + 1))
-    return " ".join(["python -m minillm.compile", *(f"{flag} {shlex.quote(str(value))}" for flag, value in flags)])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -235,7 +235,8 @@ def test_a_prompt_over_a_compiled_runs_cache_attends_over_the_written_columns_al
 
 
 def test_the_eager_hint_names_the_exact_build_command():
-    from minillm.infer import build_parser, compile_command
+    from minillm.compile import compile_command
+    from minillm.infer import build_parser
 
     args = build_parser().parse_args(["--prompt", "a", "--quant", "gguf", "--dtype", "bfloat16"])
     assert compile_command(args, 1, None) == "python -m minillm.compile --dtype bfloat16 --quant gguf"

@@ -232,8 +232,9 @@ def cli_section(title: str, data: dict, links: dict) -> str:
     body = []
     for name, row in rows.items():
         quant = next((q for q in ("int8", "gguf") if f" {q} " in name), "none")
-        reference = LLAMA_REFERENCE[quant].replace("llama.cpp", "llama.cpp long-prompt" if "long-prompt" in name
-                                                   else "llama.cpp")
+        reference = LLAMA_REFERENCE[quant]
+        if "long-prompt" in name:  # the long prompt's rows against llama.cpp's on the same prompt
+            reference = reference.replace("llama.cpp", "llama.cpp long-prompt")
         reference = rows.get(reference) if name.startswith("minillm") else None
         ratio = (md.times(row["decode_tokens_per_second"] / reference["decode_tokens_per_second"])
                  if reference else "—")
@@ -312,11 +313,6 @@ def serve_vs_llamacpp_section(title: str, data: dict, links: dict) -> str:
             "run higher on an idle machine" if before >= 1 else "otherwise idle")
     notes.append(md.bullet(f"Machine: load average {before:.1f} on {cores} cores as the run began "
                            f"({data['load_average']['after']:.1f} as it ended), {busy}."))
-    long, llama_long = rows.get("minillm long-prompt compiled"), rows.get("llama.cpp long-prompt F32")
-    if long and llama_long:
-        notes.append(md.bullet(f"The long prompt (the batch suite's paragraph three times, about 800 tokens): start "
-                               f"to first text {long['first_text_seconds']:.2f} s compiled against llama.cpp F32's "
-                               f"{llama_long['first_text_seconds']:.2f} s; both prefill it before their first token."))
     if data["llama_cpp"] is not None:
         notes.append(md.bullet(f"llama.cpp: {data['llama_cpp']}."))
     return md.section(title, links,

@@ -236,20 +236,23 @@ class CompiledModel:
                                f"{T} more were asked for; create it with a larger max_len")
         starts = torch.tensor(lengths, device=tokens.device)[:, None]  # [B, 1]
         columns = starts + torch.arange(T, device=tokens.device)  # [B, T]: row b's token at its length + t
-        causal = torch.arange(cache.max_len, device=tokens.device) <= columns[:, :, None]  # [B, T, S]
-        mask = causal if mask is None else mask  # none given: a token sees the columns up to its own
+        causal = mask is None
+        if causal:  # a token sees the columns up to its own
+            mask = causal_columns(columns, cache.max_len)
         step = spare_rows_fed(cache.k.shape[1], tokens, positions, columns, mask)  # each [rows, T, ...]
         # One tensor per layer, not the [n_layer, ...] storage they are views of: written through a view of
         # one big input, the compiled graph would copy every layer's keys out and back each step.
         keys, values = cache.k_layers, cache.v_layers
-        ready = not self.only_prepared or self.prepared_for(StepShape.of_step(*step, None, keys, values)) is not None
-        if T == 1 and ready:
+        decode = T == 1 and (not self.only_prepared
+                             or self.prepared_for(StepShape.of_step(*step, None, keys, values)) is not None)
+        if decode:
             logits = self._timed(*step, None, keys, values)[:B]
         else:
             logits = self._chunked(*step, last_only, logits_at, keys, values, cache)
             if logits is None:
                 self.eager_calls += 1
-                if len(set(lengths)) == 1 and torch.equal(mask, causal):  # rows alike, plain causal: a prompt
+                if len(set(lengths)) == 1 and (causal or torch.equal(mask, causal_columns(columns, cache.max_len))):
+                    # rows alike, plain causal (the mask a session gives a prompt)
                     with cache.columns_in_use():  # attend over the columns written, skipping the masked half
                         return self.model(tokens, positions, cache=cache, last_only=last_only, logits_at=logits_at)
                 return self.model(tokens, positions, cache=cache, mask=mask, last_only=last_only,
@@ -307,6 +310,11 @@ class CompiledModel:
             return torch.cat(pieces, dim=1)[:, :T]
         rows = torch.arange(B, device=tokens.device)[:, None]
         return torch.stack(pieces)[wanted // C, rows, torch.arange(wanted.shape[1], device=tokens.device)]
+
+
+def causal_columns(columns: torch.Tensor, length: int) -> torch.Tensor:
+    """bool [B, T, S]: each new token (at `columns` [B, T]) sees the cache columns up to its own."""
+    return torch.arange(length, device=columns.device) <= columns[:, :, None]
 
 
 def spare_rows_fed(rows: int, tokens, positions, columns, mask):
