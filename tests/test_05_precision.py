@@ -12,6 +12,7 @@ from minillm.speed.huge_pages import (
     into_huge_pages,
     model_into_huge_pages,
     place_deferred,
+    placement_deferred,
     transparent_huge_pages,
 )
 from minillm.speed.precision import drift, first_divergence, next_token_logits, with_dtype
@@ -145,10 +146,11 @@ def test_placement_can_wait_for_the_runner():
     model = torch.nn.Linear(64, 64)
     before, address = model.weight.detach().clone(), model.weight.data_ptr()
     place_deferred(model)
-    assert model.weight.data_ptr() == address  # never deferred: untouched
+    assert model.weight.data_ptr() == address and not placement_deferred(model)  # never deferred: untouched
     defer_placement(model)
-    assert model.weight.data_ptr() == address
+    assert model.weight.data_ptr() == address and placement_deferred(model)
     place_deferred(model)
+    assert not placement_deferred(model)
     moved = model.weight.data_ptr()
     assert moved != address and torch.equal(model.weight, before)
     place_deferred(model)

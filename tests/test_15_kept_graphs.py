@@ -26,7 +26,7 @@ from torch._inductor.cpp_builder import CppBuilder
 from minillm.model.attention import set_attention_backend
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.runner import ModelRunner
-from minillm.speed import cpp_build, graph_store
+from minillm.speed import cpp_build, graph_store, weights_digest
 from minillm.speed.attention_kernels import make_backend
 from minillm.speed.compile import compile_model
 from minillm.speed.step_shapes import StepShape
@@ -86,6 +86,24 @@ def test_compile_true_builds_a_graph_that_decodes_the_eager_tokens(built, kept_h
     files = json.loads((entry / graph_store.CONSTANTS).read_text())
     assert shared and all(not (entry / graph_store.WEIGHTS / files[name][0]).exists() for name in shared)
     assert shared["model.tok_emb.weight"] == "tok_emb.weight" and not list(entry.rglob("*.pt2"))
+
+
+@pytest.mark.slow
+def test_a_one_shot_run_reads_the_package_constants_where_they_are_mapped(built, kept_home, monkeypatch):
+    """Copying the package's own constants into huge pages pays only over many tokens: a model the loader deferred
+    (the command line's) skips it, and decodes the same tokens; any other model's package makes it."""
+    from minillm.speed.huge_pages import defer_placement
+
+    model, eager, _ = built
+    (entry,) = (kept_home / "graphs").iterdir()
+    copied = []
+    monkeypatch.setattr(graph_store, "into_huge_pages", lambda tensors: copied.append(len(tensors)) or list(tensors))
+    graph_store.PackagedStep(entry, model)
+    assert len(copied) == 1
+    one_shot = defer_placement(copy.deepcopy(model))
+    graph_store.PackagedStep(entry, one_shot)
+    assert len(copied) == 1
+    assert generate(one_shot, PROMPTS, max_new_tokens=12).token_ids == eager.token_ids
 
 
 @pytest.mark.slow
@@ -274,7 +292,7 @@ def test_the_key_follows_weights_shape_and_settings():
 def test_the_weights_digest_reads_every_piece_of_every_tensor(monkeypatch):
     """Hashed in pieces on every core: a byte changed in any piece, or the pieces' order, changes the digest, and it
     does not depend on how many threads hashed it."""
-    monkeypatch.setattr(graph_store, "HASH_PIECE", 64)  # bytes: a 40x3 float32 weight is 480 bytes, 8 pieces
+    monkeypatch.setattr(weights_digest, "HASH_PIECE", 64)  # bytes: a 40x3 float32 weight is 480 bytes, 8 pieces
     module = torch.nn.Linear(3, 40, bias=False).requires_grad_(False)
     digest = graph_store.weights_digest(module)
     for index in (0, 17, 119):  # the first piece, a middle one, the last

@@ -428,6 +428,44 @@ def test_an_interrupted_fetch_or_conversion_leaves_nothing_behind(pinned_tiny_mo
     np.testing.assert_array_equal(embedding(model), pinned_tiny_model[0]["token_embd.weight"])
 
 
+def test_a_conversion_is_checked_for_nan_when_converted_and_trusted_while_unchanged(pinned_tiny_model, home,
+                                                                                     monkeypatch):
+    """Loading the default model reads its converted weights without scanning them for NaN again (the conversion
+    refused any, and its manifest says so); the same folder given as a path is scanned, as any folder is."""
+    from minillm.model import checkpoint
+
+    load_model("default")  # converts
+    scanned = []
+    real = checkpoint.refuse_non_finite
+    monkeypatch.setattr(checkpoint, "refuse_non_finite", lambda tensors, source: scanned.append(source) or real(
+        tensors, source))
+    load_model("default")
+    assert scanned == []
+    load_model(str(home / "smollm2-135m-instruct"))
+    assert scanned and all(path.parent == home / "smollm2-135m-instruct" for path in scanned)
+
+
+def test_a_conversions_weights_digest_is_hashed_once_across_runs(pinned_tiny_model, home):
+    """The kept graphs' key hashes the weights (`weights_digest`): the first run that needs it records the digest,
+    the next load of the same conversion with the same options starts from the record (equal to a fresh hash);
+    other options, or the model changed after loading, hash again and record nothing."""
+    import copy
+
+    from minillm.speed.weights_digest import weights_digest
+
+    digest = weights_digest(load_model("default")[0])
+    (record,) = (home / "digests").iterdir()
+    model, _ = load_model("default")
+    assert model.__dict__["_weights_sha256"][1] == digest  # from the record, before any hashing
+    assert weights_digest(model) == digest == weights_digest(copy.deepcopy(model))  # a copy is hashed
+    assert "_weights_sha256" not in load_model("default", dtype="bfloat16")[0].__dict__
+    with torch.no_grad():
+        model.tok_emb.weight[0, 0] += 1
+    assert weights_digest(model) != digest
+    assert list((home / "digests").iterdir()) == [record] and digest in record.read_text()
+    assert weights_digest(load_model("default")[0]) == digest
+
+
 def test_a_gguf_with_nan_weights_is_refused_and_leaves_nothing(tmp_path, home):
     gguf_path = tmp_path / "model.gguf"
     write_tiny_gguf(gguf_path, nan_in="blk.1.ffn_down.weight")

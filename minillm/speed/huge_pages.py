@@ -121,6 +121,12 @@ def defer_placement(model: nn.Module) -> nn.Module:
     return model
 
 
+def placement_deferred(model: nn.Module) -> bool:
+    """Whether the loader left `model` out of huge pages for its user to decide (`defer_placement`) and nothing has
+    placed it since: a one-shot run, which copies nothing that pays back only over many tokens."""
+    return model in _DEFERRED
+
+
 def place_deferred(model: nn.Module) -> None:
     """Copy a deferred model into huge pages now (`model_into_huge_pages`), once; any other model is left as it is."""
     if model in _DEFERRED:
