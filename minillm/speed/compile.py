@@ -120,12 +120,6 @@ class CompiledModel:
             self._matmuls_by_rows[shape.rows] = matmul_kernels(self.model, shape.rows)
         return self._matmuls_by_rows[shape.rows]
 
-    def holds_its_weights(self, shapes) -> bool:
-        """Whether kept packages of these shapes read none of the model's matmul weights: every matmul a generated
-        kernel over the package's own re-laid-out copy (`matmul_kernels`), so the model's copy serves only what runs
-        eagerly (the prefill) and need not sit in huge pages (`minillm.speed.huge_pages.defer_placement`)."""
-        return self.kept and all(self.matmuls_for(shape) == "generated" for shape in shapes)
-
     def settings_for(self, shape: StepShape | PagedShape) -> dict:
         """What, beside the model and the shape, changes the kept package of `shape`: part of its key."""
         return {"matmuls": self.matmuls_for(shape)}

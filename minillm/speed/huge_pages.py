@@ -19,9 +19,8 @@ is harmless: the same bytes, in one block.
 
 The copy is paid once per process, and in a VM fresh huge pages are slow to touch the first
 time (the host backs them as they are first written): a run that decodes a handful of tokens
-starts later than it gains, one that decodes more than a few dozen, or serves, gets it back;
-and a kept graph that holds its own copy of the weights should not pay it twice
-(`defer_placement`).
+starts later than it gains, one that decodes eagerly for long, or serves, gets it back; a
+one-shot run through kept graphs does not (`defer_placement`).
 """
 
 from __future__ import annotations
@@ -106,16 +105,13 @@ _DEFERRED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose copy
 
 
 def defer_placement(model: nn.Module) -> nn.Module:
-    """Leave `model` where it is until something decodes by reading its weights (`place_deferred`); the model.
+    """Leave `model` where it is until something decodes eagerly with it (`place_deferred`); the model.
 
     The copy is not free: on the course's VM a fresh 542 MB huge-page region took 1.67 s to
     fill (the host backs the guest's memory as it is first written), one reusing memory the
-    process had just freed 0.10-0.12 s. A kept graph whose matmuls are generated kernels
-    (`minillm.speed.inductor.matmul_kernels`) reads its own re-laid-out copy of every matmul
-    weight, already in huge pages, and the model's copy then serves only the eager prefill:
-    copying it too would pay that cost twice for nothing. The command line defers;
-    `ModelRunner` places the model once its decode will read it (eager, or a graph that calls
-    the library on the model's weights).
+    process had just freed 0.10-0.12 s. A one-shot run through kept graphs does not get that
+    back (`minillm.runtime.runner`, `minillm.speed.graph_store.PackagedStep`): the command line
+    defers, and `ModelRunner` places the model only when its decode runs eagerly.
     """
     _DEFERRED.add(model)
     return model

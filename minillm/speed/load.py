@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import torch
 
-from ..base.manifest import read_manifest
-from ..model.loading import conversion_source, read_model
-from .graph_store import source_digest
+from ..model.loading import conversion_source, read_model, read_tokenizer, resolve_checkpoint_folder, resolve_dtype
 from .huge_pages import defer_placement, model_into_huge_pages
 from .onednn import use_onednn
+from .prepared import keep_prepared, load_prepared, loaded_bytes_identity
 from .quant_gguf import apply_quantization
 from .weights_digest import remember_across_runs
 
@@ -32,34 +28,32 @@ def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
     """
     if quant != "none" and device_kind(device) not in ("cpu", None):
         raise ValueError(f"--quant {quant} runs CPU kernels (lesson 14), not on {device}: drop --device, or --quant")
-    model, tokenizer = read_model(name_or_path, dtype, device)
-    if fast and model.device.type == "cpu" and model.dtype == torch.float32:
-        use_onednn(model)
-    if quant != "none":
-        apply_quantization(model, quant, name_or_path)
+    identity = None  # one of minillm's own conversions loads from what an earlier start kept, if one did
+    if device_kind(device) == "cpu" and conversion_source(name_or_path):
+        torch_dtype = resolve_dtype(dtype)  # a bad dtype is named before anything is read
+        folder = resolve_checkpoint_folder(name_or_path)
+        identity = loaded_bytes_identity(name_or_path, torch_dtype, fast, quant)
+    model = load_prepared(identity, folder) if identity else None
+    if model is None:
+        model, tokenizer = read_model(name_or_path, dtype, device)
+        if fast and model.device.type == "cpu" and model.dtype == torch.float32:
+            use_onednn(model)
+        if quant != "none":
+            apply_quantization(model, quant, name_or_path)
+        if identity:
+            keep_prepared(model, identity)
+    else:
+        tokenizer = read_tokenizer(folder)
+        if fast and model.dtype == torch.float32:
+            use_onednn(model)
     if fast and model.device.type == "cpu":  # last: the quantized blocks are weights too
         if defer_huge_pages:
             defer_placement(model)
         else:
             model_into_huge_pages(model)
-    identity = loaded_bytes_identity(name_or_path, model, fast, quant)
-    if identity is not None:
+    if identity:
         remember_across_runs(model, identity)
     return model, tokenizer
-
-
-def loaded_bytes_identity(name_or_path: str, model, fast: bool, quant: str) -> str | None:
-    """A sha256 of everything the loaded model's bytes depend on, where the loader knows them all: a conversion of
-    minillm's own (the files' sha256 its manifest recorded, checked by their stat as it loaded), the options, the
-    source of the code that converts and quantizes, torch's version. None for a folder or hub checkpoint."""
-    source = conversion_source(name_or_path)
-    manifest = read_manifest(source.entry) if source is not None else None
-    if manifest is None:
-        return None
-    parts = {"files": {name: record["sha256"] for name, record in manifest["files"].items()},
-             "source": manifest["source"]["sha256"], "dtype": str(model.dtype), "device": str(model.device),
-             "fast": fast, "quant": quant, "code": source_digest(), "torch": torch.__version__}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def device_kind(device: str) -> str | None:
