@@ -12,7 +12,7 @@ import sys
 
 from .base import jsonio
 from .base.cli_inputs import command_line_text, read_prompts_file, schema_text
-from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, run_command
+from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, exit_at_once, run_command
 from .compile import compile_command
 from .decoding.outputs import check_fits_context, encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
@@ -390,4 +390,4 @@ def main(argv=None) -> int:
     return run_command(build_parser(), run, argv)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_at_once(main())

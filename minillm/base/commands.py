@@ -85,3 +85,20 @@ def run_command(parser: argparse.ArgumentParser, run, argv=None) -> int:
             raise
         print(f"minillm: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
+
+
+def exit_at_once(status) -> None:
+    """End a command's process with `status` (what `run_command` returned) once its output is flushed, skipping
+    Python's teardown.
+
+    Tearing down an interpreter that imported torch takes 0.6 s on the course's 2-core AMD EPYC
+    (`python -c "import torch"`: 2.34 s, 1.74 s ending with `os._exit`), a tenth of a one-shot
+    command line run, spent freeing what the process is about to lose anyway. Everything a command
+    writes to disk is written and renamed into place before it returns, so nothing waits on it.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, a stream already closed: nothing more to say
+            pass
+    os._exit(status if isinstance(status, int) else 0 if status is None else 1)
