@@ -99,6 +99,6 @@ def exit_at_once(status) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a reader that went away, a stream already closed: nothing more to say
+        except (OSError, ValueError, AttributeError):  # a reader gone, a stream closed or never open (None)
             pass
     os._exit(status if isinstance(status, int) else 0 if status is None else 1)
