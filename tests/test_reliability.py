@@ -502,6 +502,20 @@ def test_a_loaded_model_is_kept_and_mapped_back_bit_for_bit(pinned_tiny_model, h
     assert sha256_of(state) == recorded
 
 
+def test_keeping_a_loaded_model_removes_what_another_version_of_the_code_kept(pinned_tiny_model, home):
+    """An entry kept by other code (an edit of the package, another torch) can never be loaded again: keeping a new
+    one removes it; entries of this code for other options stay."""
+    from minillm.speed import prepared
+
+    stale = home / "prepared" / "kept-by-older-code"
+    stale.mkdir(parents=True)
+    (stale / prepared.KEY).write_text(json.dumps({"identity": "0" * 64, "code": "older", "torch": torch.__version__}))
+    load_model("default")
+    assert not stale.exists() and len(list((home / "prepared").iterdir())) == 1
+    load_model("default", quant="int8")
+    assert len(list((home / "prepared").iterdir())) == 2
+
+
 def test_a_gguf_with_nan_weights_is_refused_and_leaves_nothing(tmp_path, home):
     gguf_path = tmp_path / "model.gguf"
     write_tiny_gguf(gguf_path, nan_in="blk.1.ffn_down.weight")

@@ -10,7 +10,8 @@ conversions is kept under $MINILLM_HOME/prepared/<identity> the first time (its 
 with `torch.save`, each quantized module's class and plain attributes as JSON, a manifest
 of both), and a later start rebuilds the modules empty and maps the tensors in with
 `torch.load(mmap=True)`: no copy, and pages the run never reads are never read. The file
-is mapped copy-on-write, so a model edited in place never writes to it.
+is mapped copy-on-write, so a model edited in place never writes to it. Keeping an entry removes
+those another version of the code kept, which no later start could load.
 
 Nothing unverified is loaded: the manifest's check before every load (`graph_store.entry_problem`:
 sizes and stats, sha256 where a stat changed or MINILLM_VERIFY=1 asks), tensors only (`weights_only`), and module classes
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..base.files import cache_lock, minillm_home, remove, replace_folder, temporary_path
+from ..base.files import TEMP_MARK, cache_lock, minillm_home, remove, replace_folder, temporary_path
 from ..base.jsonio import write_json
 from ..base.manifest import file_record, read_manifest, write_manifest
 from ..model.checkpoint import config_from_hf, empty_model
@@ -39,7 +40,7 @@ from .quantize_model import replace_module
 
 STATE = "state.pt"  # the model's tensors, as `state_dict` gives them
 MODULES = "modules.json"  # each quantized module: its class and plain attributes
-KEY = "key.json"  # the identity the entry was written for, in full
+KEY = "key.json"  # the identity the entry was written for, in full, and the code that wrote it (`this_code`)
 QUANTIZED_CLASSES = {cls.__name__: cls for cls in (Int8WeightLinear, Int4WeightLinear, DynamicInt8Linear,
                                                    StaticInt8Linear)}
 
@@ -53,8 +54,7 @@ def loaded_bytes_identity(name_or_path: str, dtype: torch.dtype, fast: bool, qua
     if manifest is None:
         return None
     parts = {"files": {name: record["sha256"] for name, record in manifest["files"].items()},
-             "source": manifest["source"]["sha256"], "dtype": str(dtype), "fast": fast, "quant": quant,
-             "code": source_digest(), "torch": torch.__version__}
+             "source": manifest["source"]["sha256"], "dtype": str(dtype), "fast": fast, "quant": quant, **this_code()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -99,11 +99,28 @@ def keep_prepared(model: nn.Module, identity: str) -> None:
             torch.save(model.state_dict(), built / STATE)
             write_json(built / MODULES, {name: module_spec(module) for name, module in model.named_modules()
                                          if isinstance(module, QuantizedLinear)})
-            write_json(built / KEY, {"identity": identity})
+            write_json(built / KEY, {"identity": identity, **this_code()})
             write_manifest(built, file_record(built / KEY))
             replace_folder(built, folder)
         finally:
             remove(built)
+        for other in folder.parent.iterdir():  # kept by another version of the code: never loaded again
+            if other != folder and TEMP_MARK not in other.name and kept_by(other) != this_code():
+                remove(other)
+
+
+def this_code() -> dict:
+    """The code a kept model's bytes come from, besides the checkpoint and the options."""
+    return {"code": source_digest(), "torch": torch.__version__}
+
+
+def kept_by(folder: Path) -> dict | None:
+    """The code that kept the model in `folder` (`this_code` as it was then), or None where it cannot be read."""
+    try:
+        key = json.loads((folder / KEY).read_text())
+        return {"code": key["code"], "torch": key["torch"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_prepared(identity: str, checkpoint: Path) -> nn.Module | None:
