@@ -187,7 +187,6 @@ def test_fast_linear_sends_up_to_three_rows_to_mkl_where_it_streams_faster(monke
     torch.manual_seed(0)
     layer = onednn.OneDNNLinear(64, 96).requires_grad_(False)
     with torch.inference_mode():
-        layer(torch.randn(1, 64))  # the weight's first product: MKL's, on every machine (the next test)
         for shape in [(1, 1, 64), (2, 64), (3, 1, 64), (1, onednn.MKL_MAX_ROWS, 64)]:
             x = torch.randn(shape)
             y = layer(x)
@@ -195,28 +194,8 @@ def test_fast_linear_sends_up_to_three_rows_to_mkl_where_it_streams_faster(monke
             assert ("_packed" in layer.__dict__) is not libraries_stream_matvecs
             if libraries_stream_matvecs:
                 assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
-        for _ in range(2):  # the first product oneDNN would take is still MKL's where the rows above were
-            layer(torch.randn(2, onednn.MKL_MAX_ROWS + 1, 64))
+        layer(torch.randn(2, onednn.MKL_MAX_ROWS + 1, 64))
         assert "_packed" in layer.__dict__  # more rows: oneDNN on every machine
-
-
-def test_fast_linear_packs_a_weight_on_its_second_product_only():
-    """A weight multiplied once (a one-shot run's prefill before a kept graph decodes) is never packed: its first
-    product is MKL's on the weight itself; the second packs it, and an edit to the weight starts over."""
-    from minillm.speed import onednn
-
-    torch.manual_seed(0)
-    layer = onednn.OneDNNLinear(64, 96).requires_grad_(False)
-    x = torch.randn(2, 8, 64)
-    with torch.inference_mode():
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-        assert "_packed" not in layer.__dict__
-        layer(x)
-        assert "_packed" in layer.__dict__
-    with torch.no_grad():
-        layer.weight.mul_(2)  # a new version of the weight: its first product again
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-        torch.testing.assert_close(layer(x).double(), _linear_reference(layer, x), atol=1e-5, rtol=1e-5)
 
 
 def test_fast_linear_repacks_when_the_weight_changes():

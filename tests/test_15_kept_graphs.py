@@ -171,16 +171,19 @@ def test_a_deferred_model_moves_to_huge_pages_only_when_its_decode_reads_it(tmp_
     """`load_model(defer_huge_pages=True)`, as the command line loads: the runner of a kept graph leaves the model
     where it is, even where the graph's matmuls call the library on the model's own weights (a tiny model's do); an
     eager runner moves it into huge pages; the kept graph still decodes the eager tokens after the model moved (the
-    package holds what it shares)."""
+    package holds what it shares). The one-shot run's prefill multiplies each weight once: on plain `F.linear`,
+    nothing packed for oneDNN."""
     from minillm.speed.huge_pages import defer_placement
+    from minillm.speed.onednn import use_onednn, uses_onednn
 
     monkeypatch.setenv("MINILLM_HOME", str(tmp_path))
     _, model = tiny_pair("llama", context_length=256)
     weight = model.blocks[0].mlp.fc.weight
-    defer_placement(model)
+    defer_placement(use_onednn(model))
     address = weight.data_ptr()
     compiled = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
     assert compiled.stats.extra["graph"] == "compiled" and weight.data_ptr() == address
+    assert not uses_onednn(model) and not any("_packed" in m.__dict__ for m in model.modules())
     eager = generate(model, PROMPTS[:1], max_new_tokens=12, compile=False)
     assert weight.data_ptr() != address  # placed: the eager decode reads the model's own weights
     again = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)

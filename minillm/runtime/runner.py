@@ -29,11 +29,13 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
             kernel; on a GPU, where nothing is kept, never), else "eager" (what the command line and the
             server run unless told)
 
-A model the loader left out of huge pages (`load_model(defer_huge_pages=True)`, as the command line loads) is
-placed there here, once, when the run decodes eagerly; a run through kept graphs leaves it where it is, even where
-a graph calls the library on the model's own weights (the Q4_1 and int8 steps): on the 2-core AMD EPYC the copy
-took 0.64 s and the Q4_1 step ran 73.3 against 70.6 tok/s for it (median of six 64-token runs, alternated), some
-0.07 s back over a 128-token answer.
+A model the loader left out of huge pages (`load_model(defer_huge_pages=True)`, as the command line loads: a
+one-shot run) is placed there here, once, when the run decodes eagerly. A run through kept graphs leaves it where
+it is, even where a graph calls the library on the model's own weights (the Q4_1 and int8 steps): on the 2-core AMD
+EPYC the copy took 0.64 s and the Q4_1 step ran 73.3 against 70.6 tok/s for it (median of six 64-token runs,
+alternated), some 0.07 s back over a 128-token answer. Such a run's eager forwards (the prefill) also go to plain
+`F.linear`: oneDNN would first pack every weight (`minillm.speed.onednn`, 0.32 s for the default model there) to
+multiply it once (a 38-token prefill: 0.45 s packing and all, 0.16 s through MKL).
 
 For contiguous caches the runner keeps its rows in the order of the sequences it was last
 given; a step over fewer sequences (some finished) drops the others' rows, so a strategy
@@ -48,7 +50,8 @@ import torch
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..model.attention import uses_default_attention
 from ..speed.compile import compile_model
-from ..speed.huge_pages import place_deferred
+from ..speed.huge_pages import place_deferred, placement_deferred
+from ..speed.onednn import use_plain_linear
 from ..speed.onnx_model import OnnxModel, OnnxSession
 from ..speed.step_shapes import PagedShape, StepShape, any_length_cache
 from .sequence import Sequence
@@ -100,6 +103,8 @@ class ModelRunner:
                              "OnnxModel(folder) and leave cache and compile at their defaults")
         if not exported and not (graph == "compiled" and model.device.type == "cpu"):
             place_deferred(model)  # an eager decode: the model into huge pages (if the loader deferred)
+        elif not exported and placement_deferred(model):  # a one-shot run through kept graphs: see the module doc
+            use_plain_linear(model)
         self.model, self.cache_kind, self.graph = model, cache, "onnx" if exported else graph
         self.rows: list[Sequence] = []  # the sequences the contiguous cache holds, in row order
         self.build_seconds = 0.0  # how long loading or building the compiled graphs took, before any step

@@ -7,10 +7,9 @@ Why it pays. PyTorch's CPU `F.linear` calls MKL's sgemm, which on some x86 CPUs 
 a slow path at the shapes inference needs: a decode step multiplies 1-32 activation
 rows by each weight. oneDNN (PyTorch's other CPU math library) is often much faster at
 those shapes, prefill included, but only on a weight it has first reordered
-("packed") into the blocked layout its kernels read. Packing costs a few passes
-over the weight, so it is done on the weight's second forward (the first runs MKL:
-a run that multiplies once never pays it) and kept (twice the weight memory) until
-the weight changes. Measure it on your machine:
+("packed") into the blocked layout its kernels read. Packing costs about one pass
+over the weight, so it is done on the first forward and kept (twice the weight
+memory) until the weight changes. Measure it on your machine:
 `python -m minillm.bench decode` runs both.
 
 One to three rows (a batch-1 decode step, two or three sequences, a verify of a token or
@@ -46,10 +45,9 @@ class OneDNNLinear(nn.Linear):
     """nn.Linear whose float32 CPU inference matmul runs oneDNN on a prepacked weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_weight() if self._onednn_applies(x) else None
-        if packed is None:
+        if not self._onednn_applies(x):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
 
     def _onednn_applies(self, x: torch.Tensor) -> bool:
         w = self.weight
@@ -59,27 +57,17 @@ class OneDNNLinear(nn.Linear):
                 and not (x.numel() <= MKL_MAX_ROWS * x.shape[-1] and libraries_stream_matvecs()))  # MKL's is faster
 
     def _packed_weight(self):
-        """oneDNN's copy of the weight, repacked whenever the weight is replaced or edited; None on the weight's first
-        product, which MKL computes on the weight as it lies.
-
-        Packing costs about what it saves over two or three prefills (the default model: 0.32 s to pack
-        all 121 weights, a 38-token prefill 0.12 s packed against 0.20 s through MKL, on the 2-core AMD
-        EPYC), so a run that multiplies a weight once, as a command line's prefill before its kept graph
-        decodes, never packs it; a second product packs it, and every later one uses the copy.
-        """
+        """oneDNN's copy of the weight, repacked whenever the weight is replaced or edited."""
         w = self.weight
         key = (w.data_ptr(), w.shape, None if w.is_inference() else w._version)
         if getattr(self, "_packed_key", None) != key:
-            if self.__dict__.get("_seen_key") != key:  # the first product with this weight
-                self._seen_key = key
-                return None
             # batch_size is the row count the layout is tuned for: small, as in decoding.
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
             self._packed_key = key
         return self._packed
 
     def drop_packed_weight(self) -> None:
-        for name in ("_packed", "_packed_key", "_seen_key"):
+        for name in ("_packed", "_packed_key"):
             self.__dict__.pop(name, None)
 
     def _apply(self, fn, recurse=True):
@@ -89,7 +77,7 @@ class OneDNNLinear(nn.Linear):
 
     def __getstate__(self):
         """Copies and pickles leave the packed copy behind (oneDNN tensors cannot be copied)."""
-        return {k: v for k, v in super().__getstate__().items() if k not in ("_packed", "_packed_key", "_seen_key")}
+        return {k: v for k, v in super().__getstate__().items() if k not in ("_packed", "_packed_key")}
 
 
 @functools.cache
