@@ -23,8 +23,9 @@ def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
     quant: "none", or a quantization the command line offers (`apply_quantization`), swapped in after
     loading; refused before anything loads on a device its kernels do not run on.
     defer_huge_pages: leave the copy into huge pages to the runner that decodes with the model
-    (`minillm.speed.huge_pages.defer_placement`): a run whose kept graphs hold their own copies skips it, and
-    their copies stay where their files are mapped (a one-shot run: `minillm.speed.graph_store.PackagedStep`).
+    (`minillm.speed.huge_pages.defer_placement`): a one-shot run through kept graphs skips it, reads the graphs'
+    own copies where their files are mapped (`minillm.speed.graph_store.PackagedStep`) and prefills on plain
+    `F.linear` (`minillm.runtime.runner`).
     """
     if quant != "none" and device_kind(device) not in ("cpu", None):
         raise ValueError(f"--quant {quant} runs CPU kernels (lesson 14), not on {device}: drop --device, or --quant")

@@ -10,13 +10,13 @@ conversions is kept under $MINILLM_HOME/prepared/<identity> the first time (its 
 with `torch.save`, each quantized module's class and plain attributes as JSON, a manifest
 of both), and a later start rebuilds the modules empty and maps the tensors in with
 `torch.load(mmap=True)`: no copy, and pages the run never reads are never read. The file
-is mapped copy-on-write, so a model edited in place never writes to it. Keeping an entry removes
-those another version of the code kept, which no later start could load.
+is mapped copy-on-write, so a model edited in place never writes to it. Keeping an entry
+removes those another version of the code kept, which no later start could load.
 
 Nothing unverified is loaded: the manifest's check before every load (`graph_store.entry_problem`:
-sizes and stats, sha256 where a stat changed or MINILLM_VERIFY=1 asks), tensors only (`weights_only`), and module classes
-only from `QUANTIZED_CLASSES`. A damaged or partly written entry is rebuilt from the
-checkpoint, as a kept graph is (`minillm.speed.graph_store`).
+sizes and stats, sha256 where a stat changed or MINILLM_VERIFY=1 asks), tensors only
+(`weights_only`), and module classes only from `QUANTIZED_CLASSES`. A damaged or partly written
+entry is rebuilt from the checkpoint, as a kept graph is (`minillm.speed.graph_store`).
 """
 
 from __future__ import annotations
