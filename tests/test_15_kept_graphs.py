@@ -166,6 +166,24 @@ def test_a_damaged_package_is_rebuilt_not_loaded(built, kept_home, monkeypatch, 
     assert "manifest" in graph_store.entry_problem(entry)
 
 
+def test_a_new_package_removes_those_built_from_other_code(tmp_path):
+    """Every edit of the package's source (or another torch) makes new keys: the packages of the old ones are never
+    loaded again and are removed once a new one is kept; packages of this code for other models or shapes stay, and
+    so does one still being built."""
+    from minillm.base.files import TEMP_MARK
+
+    here = {"source_sha256": graph_store.source_digest(), **graph_store.machine_code()}
+    building = f"building{TEMP_MARK}1"
+    keys = {"new": here, "other-model": {**here, "weights_sha256": "1" * 64},
+            "older-source": {**here, "source_sha256": "0" * 64}, "older-torch": {**here, "torch": "2.0.0"},
+            "unreadable": None, building: {**here, "source_sha256": "0" * 64}}
+    for name, key in keys.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / graph_store.KEY_FILE).write_text("{" if key is None else json.dumps(key))
+    graph_store.remove_entries_of_other_code(tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["new", "other-model", building])
+
+
 @pytest.mark.slow
 def test_a_deferred_model_moves_to_huge_pages_only_when_its_decode_reads_it(tmp_path, monkeypatch):
     """`load_model(defer_huge_pages=True)`, as the command line loads: the runner of a kept graph leaves the model

@@ -173,6 +173,15 @@ def tidy_cache() -> None:
             lock_file.close()
 
 
+def remove_unusable_siblings(folder: Path, usable) -> None:
+    """Remove the cache entries beside `folder` (temporaries aside) that `usable(entry)` says no later run can load:
+    those kept by another version of the code, which would otherwise pile up (hundreds of MB each) with every
+    edit or upgrade. Called under the cache's lock, right after `folder` was kept."""
+    for other in folder.parent.iterdir():
+        if other != folder and TEMP_MARK not in other.name and not usable(other):
+            remove(other)
+
+
 def replace_folder(built: Path, final: Path) -> None:
     """Move a completed folder into place, replacing (and removing) any old one."""
     old = temporary_path(final)

@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from ..base.files import cache_lock, minillm_home, one_line, remove, replace_folder, temporary_path, verify_requested
+from ..base.files import (cache_lock, minillm_home, one_line, remove, remove_unusable_siblings, replace_folder,
+                          temporary_path, verify_requested)
 from ..base.jsonio import write_json
 from ..base.machine import cpuinfo_field
 from ..base.manifest import file_record, files_problem, read_manifest, refresh_manifest, write_manifest
@@ -240,6 +241,23 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
         replace_folder(built, folder)
     finally:
         remove(built)
+    remove_entries_of_other_code(folder)
+
+
+def remove_entries_of_other_code(folder: Path) -> None:
+    """Remove the entries beside `folder` built from other code (another package source, torch, Python or CPU):
+    no later run here loads them, and each is hundreds of MB."""
+    remove_unusable_siblings(folder, lambda other: built_by(other) == built_by(folder))
+
+
+def built_by(folder: Path) -> dict | None:
+    """The code an entry's package was built from and for (the package source, torch, Python, the CPU's
+    instruction set), or None where its key cannot be read: an entry whose code differs is never loaded again."""
+    try:
+        key = json.loads((folder / KEY_FILE).read_text())
+        return {name: key[name] for name in ("source_sha256", *machine_code())}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 __all__ = ["PackagedStep", "entry_folder", "entry_problem", "graph_key", "kept_problem", "load_or_build",

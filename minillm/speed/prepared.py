@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..base.files import TEMP_MARK, cache_lock, minillm_home, remove, replace_folder, temporary_path
+from ..base.files import cache_lock, minillm_home, remove, remove_unusable_siblings, replace_folder, temporary_path
 from ..base.jsonio import write_json
 from ..base.manifest import file_record, read_manifest, write_manifest
 from ..model.checkpoint import config_from_hf, empty_model
@@ -104,9 +104,7 @@ def keep_prepared(model: nn.Module, identity: str) -> None:
             replace_folder(built, folder)
         finally:
             remove(built)
-        for other in folder.parent.iterdir():  # kept by another version of the code: never loaded again
-            if other != folder and TEMP_MARK not in other.name and kept_by(other) != this_code():
-                remove(other)
+        remove_unusable_siblings(folder, lambda other: kept_by(other) == this_code())
 
 
 def this_code() -> dict:
