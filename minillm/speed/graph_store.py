@@ -247,7 +247,8 @@ def build_entry(model, step_module, shape: StepShape | PagedShape, key: dict, fo
 def remove_entries_of_other_code(folder: Path) -> None:
     """Remove the entries beside `folder` built from other code (another package source, torch, Python or CPU):
     no later run here loads them, and each is hundreds of MB."""
-    remove_unusable_siblings(folder, lambda other: built_by(other) == built_by(folder))
+    this_code = built_by(folder)
+    remove_unusable_siblings(folder, lambda other: built_by(other) == this_code)
 
 
 def built_by(folder: Path) -> dict | None:

@@ -37,16 +37,14 @@ def load_model(name_or_path: str = "default", dtype: str | torch.dtype = "float3
     model = load_prepared(identity, folder) if identity else None
     if model is None:
         model, tokenizer = read_model(name_or_path, dtype, device)
-        if fast and model.device.type == "cpu" and model.dtype == torch.float32:
-            use_onednn(model)
         if quant != "none":
             apply_quantization(model, quant, name_or_path)
         if identity:
             keep_prepared(model, identity)
     else:
         tokenizer = read_tokenizer(folder)
-        if fast and model.dtype == torch.float32:
-            use_onednn(model)
+    if fast and model.device.type == "cpu" and model.dtype == torch.float32:  # the linears quantization left
+        use_onednn(model)
     if fast and model.device.type == "cpu":  # last: the quantized blocks are weights too
         if defer_huge_pages:
             defer_placement(model)
