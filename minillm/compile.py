@@ -16,8 +16,15 @@ import sys
 
 from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
 
+# The verify graph the default build adds beside the decode graph: the command line's speculative defaults draft
+# up to 8 tokens (`python -m minillm.infer --speculative`), verified with the newest in one forward. One graph
+# serves every shorter draft (padded to it). Measured through kept graphs on the 2-core AMD EPYC: a 9-token verify
+# 55-57 ms, a 5-token one 63-72 (Inductor's kernels for 5 rows are slower), a 17-token one 75-79, a decode step 25.
+DEFAULT_VERIFY_TOKENS = 9
+
 EPILOG = """examples:
-  python -m minillm.compile                                # the default model, batch 1, runs of any length
+  python -m minillm.compile                                # the default model, batch 1, runs of any length, and
+                                                           # the verify graph of speculative decoding's defaults
   python -m minillm.compile --quant gguf                   # the same, on the GGUF's own 4-bit blocks
   python -m minillm.compile --batch-size 1 --batch-size 8  # batch 1 and batch 8
   python -m minillm.compile --serve                         # the server's decode step (python -m minillm.serve)
@@ -49,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, action="append", metavar="N",
                    help="rows decoded together (repeatable; default 1: one prompt, as the CLI runs it)")
     p.add_argument("--verify-tokens", type=int, action="append", metavar="N",
-                   help="also build the verify graph speculative decoding needs: N = tokens drafted per round + 1 "
-                        "(5 for --speculative prompt-lookup or model with the default 4; 17 for lookahead's default "
-                        "decoding length 16); repeatable")
+                   help="the verify graphs to build for speculative decoding: N = the most tokens drafted per round "
+                        f"+ 1 (default {DEFAULT_VERIFY_TOKENS}, which the defaults of every --speculative drafter use); "
+                        "repeatable")
     p.add_argument("--serve", action="store_true",
                    help="build the server's step instead (python -m minillm.serve's engine: every request decoding "
                         "one token over the paged KV cache, any number of requests and lengths in one graph)")
@@ -76,14 +83,14 @@ def list_graphs() -> int:
 def run(args) -> int:
     if args.list:
         return list_graphs()
-    batches, verify = args.batch_size or [1], args.verify_tokens or []
+    batches, verify = args.batch_size or [1], args.verify_tokens or [DEFAULT_VERIFY_TOKENS]
     if args.serve and (args.batch_size or args.verify_tokens):
         raise ValueError("--serve builds the one server step, whose rows and lengths are not fixed: drop "
                          "--batch-size and --verify-tokens")
-    for flag, values in (("--batch-size", batches), ("--verify-tokens", verify or [2]),
-                         ("--block-size", [args.block_size])):
-        if min(values) < 1:
-            raise ValueError(f"{flag} {min(values)} is invalid: must be >= 1")
+    for flag, values, least in (("--batch-size", batches, 1), ("--verify-tokens", verify, 2),
+                                ("--block-size", [args.block_size], 1)):
+        if min(values) < least:
+            raise ValueError(f"{flag} {min(values)} is invalid: must be >= {least}")
     if args.quant == "none" and args.device.startswith("cuda"):
         from .model.loading import resolve_device
 
@@ -101,7 +108,8 @@ def run(args) -> int:
     else:
         # Every cache length in one package: the length symbolic (measured as fast as a package built for one).
         shapes = {StepShape.decode(model.config, b, None).any_length() for b in batches}
-        shapes |= {StepShape.verify(model.config, b, t, None).any_length() for b in batches for t in verify}
+        # Speculative decoding runs one prompt: its verify graphs are built for batch 1 only.
+        shapes |= {StepShape.verify(model.config, 1, t, None).any_length() for t in verify}
         shapes = sorted(shapes, key=lambda s: (s.batch, s.tokens))
     compiled = compile_model(model, kept=True)
     for shape in shapes:

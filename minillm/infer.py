@@ -13,7 +13,7 @@ import sys
 from .base import jsonio
 from .base.cli_inputs import command_line_text, read_prompts_file, schema_text
 from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, exit_at_once, run_command
-from .compile import compile_command
+from .compile import DEFAULT_VERIFY_TOKENS, compile_command
 from .decoding.outputs import check_fits_context, encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
 from .strategies.streaming import PrintStreamer
@@ -119,11 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft for --speculative model: a model sharing the target's tokenizer, or layers:N (the "
                         "target's first N blocks), or dtype:bfloat16 (the target's weights in bfloat16)")
     d.add_argument("--num-draft-tokens", type=int, metavar="K",
-                   help="tokens drafted per round with model or prompt-lookup (default 4)")
+                   help=f"the most tokens drafted per round with model or prompt-lookup (default "
+                        f"{DEFAULT_VERIFY_TOKENS - 1}: the verify graph python -m minillm.compile builds); the budget "
+                        "adapts below it, and where even one drafted token keeps failing, rounds are plain decode "
+                        "steps for a while (a copy found in the context drafts again at once)")
     d.add_argument("--decoding-length", type=int, metavar="N",
                    help="lookahead: the most draft tokens (tree nodes) one forward verifies; the budget adapts "
-                        "below it, shrinking where drafts fail, but not below 5 nodes, which cost a forward about "
-                        "nothing (default 16)")
+                        "below it, shrinking where drafts fail down to 5 nodes, then pausing into plain decode "
+                        f"steps until a copy is found or the pause ends (default {DEFAULT_VERIFY_TOKENS - 1}, as "
+                        "--num-draft-tokens)")
     d.add_argument("--branch-length", type=int, metavar="N",
                    help="lookahead: the most tokens one branch of the draft tree holds (default 8)")
 
@@ -223,9 +227,10 @@ def beam_options(args, config: SamplingConfig) -> dict | None:
 
 
 def lookahead_options(args) -> dict:
-    """--decoding-length / --branch-length as Lookahead's keywords, only those given (Lookahead's
-    defaults stand for the rest)."""
-    given = {"decoding_length": args.decoding_length, "branch_length": args.branch_length}
+    """--decoding-length / --branch-length as Lookahead's keywords: the decoding length the kept verify graph
+    holds unless given, Lookahead's default branch length unless given."""
+    length = DEFAULT_VERIFY_TOKENS - 1 if args.decoding_length is None else args.decoding_length
+    given = {"decoding_length": length, "branch_length": args.branch_length}
     return {name: value for name, value in given.items() if value is not None}
 
 
@@ -336,19 +341,24 @@ def run(args) -> int:
             budget = {}  # the drafter's: its decoding length, adapting
         else:
             drafter = make_drafter(args.speculative, model, args.draft_model, args.dtype, args.device)
-            budget = {"num_draft_tokens": args.num_draft_tokens or 4}
+            most = DEFAULT_VERIFY_TOKENS - 1 if args.num_draft_tokens is None else args.num_draft_tokens
+            budget = {"num_draft_tokens": most, "adaptive": True}
         out = speculative_generate(model, rows, drafter, config, tokenizer=tokenizer, cache=args.cache,
                                    streamer=PrintStreamer() if stream else None, compile=compile, **budget)
     else:
         out = generate_in_batches(model, rows, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
                                   streamer=PrintStreamer() if stream else None, compile=compile)
-    if compile is None and out.stats.extra.get("graph") == "eager" and args.cache == "static" \
+    eager_verify = out.stats.extra.get("verify_graph") == "eager"
+    if compile is None and (out.stats.extra.get("graph") == "eager" or eager_verify) and args.cache == "static" \
             and model.device.type == "cpu":  # a GPU keeps no package: --compile captures one in the run
         build = compile_command(args, 1 if args.speculative else min(args.batch_size, len(prompts)),
                                 out.stats.extra.get("num_draft_tokens"))
         if damaged := out.stats.extra.get("kept_problem"):
-            print(f"minillm: decoded eagerly: the kept compiled graph {damaged}, so it was not loaded; "
-                  f"`{build}` builds it again", file=sys.stderr)
+            print(f"minillm: {'verified drafts' if eager_verify else 'decoded'} eagerly: the kept compiled graph "
+                  f"{damaged}, so it was not loaded; `{build}` builds it again", file=sys.stderr)
+        elif eager_verify:
+            print(f"minillm: decoded through the kept graph, verified drafts eagerly: `{build}` builds the verify "
+                  "graph once, and later runs verify faster", file=sys.stderr)
         else:
             print(f"minillm: decoded eagerly: `{build}` builds the compiled graphs once, and later runs load them "
                   "in seconds and decode faster", file=sys.stderr)

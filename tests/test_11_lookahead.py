@@ -10,7 +10,7 @@ from test_08_speculative_decoding import OracleDrafter
 from minillm.decoding.sampling import SamplingConfig
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession, Tree
-from minillm.strategies.drafters import FREE_DRAFT, Draft, latest_earlier_occurrence
+from minillm.strategies.drafters import FREE_DRAFT, Draft, PromptLookup, latest_earlier_occurrence
 from minillm.strategies.generate import generate
 from minillm.strategies.lookahead import CopyPointer, DraftTree, Lookahead, context_first, share_draft
 from minillm.strategies.ngram_trie import NGramTrie, likeliest_paths
@@ -454,11 +454,12 @@ def test_the_adaptive_budget_halves_then_pauses_longer_and_longer_when_drafts_fa
     assert sizes == [1, 2, 4, 8, 8] and decoder.sequence[len(TINY_PROMPT):] == plain[:len(decoder.sequence) - len(TINY_PROMPT)]
 
 
-def test_a_free_drafter_never_drafts_fewer_than_its_min_draft(tiny):
-    """A drafter that says drafting costs nothing (`min_draft`, as lookahead's `FREE_DRAFT`): when its
-    drafts keep failing the budget halves down to that floor and stays there, with no pauses."""
+def test_a_free_drafter_drafts_its_min_draft_then_pauses_and_a_confident_one_ends_pauses(tiny):
+    """A drafter that says drafting costs nothing (`min_draft`, as lookahead's `FREE_DRAFT`): when its drafts
+    keep failing the budget halves down to that floor, then drafting pauses as for any drafter. One that is
+    `confident` ends each pause early, but after a confident draft fails it sits the next pause out."""
     model = tiny[1]
-    n_new = 30
+    n_new = 40
     plain = generate(model, TINY_PROMPT, max_new_tokens=n_new, eos_token_id=()).rows[0].token_ids
 
     class FreeButWrong(WrongDrafter):
@@ -466,8 +467,30 @@ def test_a_free_drafter_never_drafts_fewer_than_its_min_draft(tiny):
 
     drafted, output = drafted_per_round(model, FreeButWrong(plain, model.config.vocab_size), n_new)
     assert output == plain
-    assert drafted[:3] == [8, 4, 3] and set(drafted[2:-3]) == {3} and drafted[-3:] == [2, 1, 0]  # the end: no room
+    expected = [8, 4, 3] + [0, 3] + [0] * 2 + [3] + [0] * 4 + [3] + [0] * 8 + [3] + [0] * 16
+    assert drafted[:len(expected)] == expected
+
+    class ConfidentButWrong(FreeButWrong):
+        def confident(self, sequence):
+            return True
+
+    drafted, output = drafted_per_round(model, ConfidentButWrong(plain, model.config.vocab_size), n_new)
+    assert output == plain
+    # Each pause is ended at once, by a draft that fails: the pause after that one runs out.
+    expected = [8, 4, 3] + [3] + [0] * 2 + [3] + [3] + [0] * 8 + [3] + [3] + [0] * 16
+    assert drafted[:len(expected)] == expected
     assert Lookahead().min_draft == FREE_DRAFT > 1
+
+
+def test_prompt_lookup_and_lookahead_are_confident_on_a_copy_only():
+    """What ends a pause: prompt lookup's longest n-gram found earlier in the context; lookahead's copy pointer
+    following a copy (`max_match` tokens in a row found earlier)."""
+    text = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert PromptLookup(max_ngram=3).confident(text) and not PromptLookup(max_ngram=3).confident(text[:-1])
+    assert not PromptLookup(max_ngram=3).confident(text[:3])  # no earlier text at all
+    lookahead = Lookahead(max_match=3)
+    lookahead.begin(None, None, 64)
+    assert not lookahead.confident(text[:-1]) and lookahead.confident(text)
 
 
 def test_notebook_runs(run_notebook):

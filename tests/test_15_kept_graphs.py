@@ -190,7 +190,7 @@ def test_a_deferred_model_moves_to_huge_pages_only_when_its_decode_reads_it(tmp_
     where it is, even where the graph's matmuls call the library on the model's own weights (a tiny model's do); an
     eager runner moves it into huge pages; the kept graph still decodes the eager tokens after the model moved (the
     package holds what it shares). The one-shot run's prefill multiplies each weight once: on plain `F.linear`,
-    nothing packed for oneDNN."""
+    nothing packed for oneDNN. (The same built graph then serves a speculative run's plain steps: see below.)"""
     from minillm.speed.huge_pages import defer_placement
     from minillm.speed.onednn import use_onednn, uses_onednn
 
@@ -206,6 +206,17 @@ def test_a_deferred_model_moves_to_huge_pages_only_when_its_decode_reads_it(tmp_
     assert weight.data_ptr() != address  # placed: the eager decode reads the model's own weights
     again = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
     assert again.stats.extra["graph"] == "compiled" and compiled.token_ids == eager.token_ids == again.token_ids
+    # A speculative run by default (compile=None) finds the decode graph but no verify graph: its plain steps run
+    # compiled and its drafts verify eagerly over the same cache (the whole run no longer falls back to eager).
+    from minillm.strategies.drafters import PromptLookup
+    from minillm.strategies.speculative import speculative_generate
+
+    before = compile_model(model, kept=True).eager_calls
+    spec = speculative_generate(model, PROMPTS[:1], PromptLookup(), max_new_tokens=12, num_draft_tokens=4)
+    assert spec.stats.extra["graph"] == "compiled" and spec.stats.extra["verify_graph"] == "eager"
+    assert spec.token_ids == eager.token_ids and spec.stats.extra["drafted"] > 0
+    assert compile_model(model, kept=True).eager_calls > before + 1  # the prompt, and each verify
+    assert not any("verify" in folder.name for folder in (tmp_path / "graphs").iterdir())
 
 
 @pytest.mark.slow

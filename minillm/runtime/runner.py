@@ -84,14 +84,19 @@ class ModelRunner:
         if cache == "paged":  # the engine's one step that is compiled: every sequence decoding
             shapes = [PagedShape(block_size)]
         self.kept_problem = None  # with graph="auto": why a kept graph this run could use was not (not "missing")
+        self.unbuilt: list = []  # with graph="auto": the shapes whose kept graph this run could use but lacks
         if graph == "auto":  # the compiled graphs when they are already built for this run, else eager
             eligible = (cache in ("static", "paged") and isinstance(model, torch.nn.Module)
                         and model.device.type == "cpu"  # a GPU keeps nothing: it compiles and records when asked
                         and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
                         and uses_default_attention(model))  # another kernel asked for (lesson 16) runs eagerly
             problems = list(map(compile_model(model, kept=True).kept_problem, shapes)) if eligible else []
-            graph = "compiled" if eligible and not any(problems) else "eager"
+            # The decode graph decides; a verify graph not built leaves speculative rounds that draft to the
+            # eager forward over the same cache, while the plain steps between them still run compiled.
+            graph = "compiled" if eligible and problems[0] is None else "eager"
             self.kept_problem = next((p for p in problems if p not in (None, "missing")), None)
+            self.unbuilt = [shape for shape, problem in zip(shapes, problems) if problem] if graph == "compiled" else []
+            shapes = [shape for shape, problem in zip(shapes, problems) if problem is None]
         if graph == "compiled" and cache not in ("static", "paged"):
             raise ValueError(f"compiled graphs run over the static cache (the engine's over the paged one), not "
                              f"cache={cache!r}: use cache='static'")
@@ -134,9 +139,11 @@ class ModelRunner:
             self.session = DecodeSession(model, cache, max_len, max_batch)
 
     def graph_stats(self) -> dict:
-        """What a run's stats say about its path: the graph that ran, and why a kept graph was not loaded when
-        one is there but damaged (the command line names it rather than calling it unbuilt)."""
-        return {"graph": self.graph, **({"kept_problem": self.kept_problem} if self.kept_problem else {})}
+        """What a run's stats say about its path: the graph that ran, why a kept graph was not loaded when one is
+        there but damaged (the command line names it rather than calling it unbuilt), and whether speculative
+        rounds verified eagerly beside a compiled decode (no verify graph kept for them)."""
+        return {"graph": self.graph, **({"kept_problem": self.kept_problem} if self.kept_problem else {}),
+                **({"verify_graph": "eager"} if self.unbuilt else {})}
 
     @property
     def device(self):

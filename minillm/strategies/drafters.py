@@ -58,6 +58,9 @@ class Drafter(Protocol):
     def rollback(self, sequence: list[int]) -> None:
         """Forget whatever was drafted beyond `sequence` (the target has decided)."""
 
+    # Optional: `confident(sequence) -> bool`, whether the context offers a match worth verifying even
+    # while an adaptive run has paused drafting (`minillm.strategies.speculative.confident`).
+
     # Optional: `end(sequence, prompt_length)`, called once the sequence is finished, lets a drafter
     # that learns from outputs (lesson 11's lookahead) keep it.
 
@@ -74,13 +77,13 @@ def latest_earlier_occurrence(sequence: list[int], size: int, end: int | None = 
 
 
 # A verify forward reads every weight once whatever its length, so its first few extra tokens cost
-# about nothing and only longer drafts make it dearer (lesson 11 measures where the curve bends).
-# A drafter whose drafts are free to make (a lookup, not a model) drafts at least this many tokens
-# even where they keep failing: fewer would save nothing. The 5 was set on an AVX-512 machine whose
-# matrix library ran a 5-row forward about as fast as a 1-row one (a 2-row one cost more). That is a
-# property of the machine: on the 2-core Xeon that results/ come from the cost jumps at the fourth
-# token (MKL up to `speed.onednn.MKL_MAX_ROWS` rows, oneDNN beyond; `verify_cost` in
-# results/speculative.json), where a floor of 3 would fit better. Measure before changing it.
+# little and only longer drafts make it dearer (lesson 11 measures where the curve bends). A drafter
+# whose drafts are free to make (a lookup, not a model) drafts at least this many tokens once it drafts
+# at all: a shorter draft would cost nearly as much. Where even those keep failing, the adaptive budget
+# pauses drafting (`SpeculativeDecoder._count_depths`), for a verify forward still costs more than a
+# plain step. The 5 was set on an AVX-512 machine whose matrix library ran a 5-row forward about as
+# fast as a 1-row one; the verify cost is a property of the machine (`verify_cost` in
+# results/speculative.json). Measure before changing it.
 FREE_DRAFT = 5
 
 
@@ -102,6 +105,11 @@ class PromptLookup:
 
     def begin(self, target, tokenizer, max_len):
         pass
+
+    def confident(self, sequence) -> bool:
+        """The context's last `max_ngram` tokens occur earlier: a match long enough to end a pause in drafting
+        (a single shared token, the shortest match `propose` drafts from, is too common to be worth a forward)."""
+        return len(sequence) > self.max_ngram and latest_earlier_occurrence(sequence, self.max_ngram) is not None
 
     def propose(self, sequence, n, config, history, generator):
         for size in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):

@@ -182,9 +182,11 @@ class Lookahead:
     memory from a training split).
 
     The decoder reads `max_draft` (its budget's ceiling), `adaptive` (shrink the
-    budget where drafts fail, so open-ended text costs little) and `min_draft` (the
-    floor it shrinks to: `FREE_DRAFT`, as drafting costs nothing) from the drafter. The
-    time `propose` takes is the decoder's `draft_seconds`: retrieval, for lookahead.
+    budget where drafts fail, and pause drafting where even the smallest fails, so
+    open-ended text costs little), `min_draft` (the floor the budget shrinks to:
+    `FREE_DRAFT`, as drafting costs nothing) and `confident` (a copy under way ends a
+    pause) from the drafter. The time `propose` takes is the decoder's `draft_seconds`:
+    retrieval, for lookahead.
     """
 
     adaptive = True
@@ -214,10 +216,19 @@ class Lookahead:
         self.pointer = CopyPointer(self.max_match, decode=None if tokenizer is None else tokenizer.decode)
         self.fed = 0
 
-    def propose(self, sequence, n, config, history, generator) -> Draft:
+    def _catch_up(self, sequence) -> None:
+        """Feed the tokens accepted since the last call to the copy pointer and the context trie."""
         self.pointer.follow(sequence, self.fed)
         self.context.extend(sequence[self.fed:])
         self.fed = len(sequence)
+
+    def confident(self, sequence) -> bool:
+        """The output is copying earlier text (`CopyPointer`): worth a verify forward even while drafting pauses."""
+        self._catch_up(sequence)
+        return self.pointer.copying
+
+    def propose(self, sequence, n, config, history, generator) -> Draft:
+        self._catch_up(sequence)
         budget, lead = min(n, self.decoding_length), []
         if self.pointer.copying:  # a copy tends to go on: a whole branch, even where the budget shrank
             budget = min(self.branch_length, self.decoding_length)
