@@ -171,8 +171,14 @@ def cli_result() -> dict:
                   "llama.cpp F32": process(50.0, None), "llama.cpp Q4_1": process(100.0, None)}
     for name in ("minillm compiled", "minillm gguf compiled"):
         contenders[name]["same_text_as_eager"] = True
+    for task, plain, lookup in (("open-ended", 40.0, 39.0), ("copy-heavy", 40.0, 100.0)):
+        contenders[f"speculative {task} plain"] = process(plain, "compiled")
+        contenders[f"speculative {task} prompt-lookup"] = {
+            **process(lookup, "compiled"), "tokens_per_target_forward": lookup / 40.0 * 1.5,
+            "verified_eagerly": False, "same_text_as_plain": task == "open-ended", "decode_vs_plain": lookup / plain}
     return stamped("cli", quick=False, prompt="The lighthouse keeper had not spoken to anyone", new_tokens=128,
-                   threads=2, llama_cpp=None, first_build_seconds={"none": 80.0, "gguf": 70.0}, contenders=contenders)
+                   threads=2, llama_cpp=None, first_build_seconds={"none": 80.0, "gguf": 70.0}, contenders=contenders,
+                   speculative_prompts={"open-ended": "Write a story.", "copy-heavy": "Repeat this text exactly: A."})
 
 
 SYNTHETIC = {"decode": decode_result, "cache-scaling": cache_scaling_result, "batch": batch_result,
@@ -210,6 +216,11 @@ def test_cli_report_sets_each_process_against_its_llama_cpp_format(results_dir):
     assert "| minillm compiled | compiled | 1.00 | 8.00 | 60.0 (54.0-72.0) | 1.20x |" in section
     assert "| minillm gguf compiled | compiled | 1.00 | 8.00 | 110.0 (99.0-132.0) | 1.10x |" in section
     assert "float32 80 s, gguf 70 s" in section
+    # Speculative rows: their own table, each strategy against plain decoding on its prompt, not against llama.cpp.
+    assert "| speculative" not in section
+    assert "| open-ended | prompt-lookup | 39.0 (35.1-46.8) | 8.00 | 0.97x | 1.46 | yes |" in section
+    assert "| copy-heavy | prompt-lookup | 100.0 (90.0-120.0) | 8.00 | 2.50x | 3.75 | NO |" in section
+    assert "| copy-heavy | plain | 40.0 (36.0-48.0) | 8.00 | — | 1 | — |" in section
 
 
 def test_lookahead_report_quotes_speedups_forwards_and_the_best_setting(results_dir):

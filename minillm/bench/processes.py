@@ -12,6 +12,10 @@ then streams tokens. This suite runs exactly those commands, each in a fresh pro
                              streams the same number of tokens (skipped when not installed)
     ... long-prompt          float32 eager, compiled and llama.cpp F32 again with LONG_PROMPT
                              (about 800 tokens): the prefill, and decoding over a long cache
+    speculative              float32 through the kept graphs, plain and with --speculative
+                             prompt-lookup / lookahead (their defaults), on two chat prompts
+                             (SPECULATIVE_PROMPTS): an open-ended one, whose answer copies little,
+                             and a copy-heavy one; each strategy's decode rate against plain's
 
 For each it records the wall time to the first streamed text and to exit, and the decode
 rate the process reports for itself. The builds happen in a fresh $MINILLM_HOME (the model
@@ -41,13 +45,20 @@ from .llama_cpp import gguf_as, missing_reason
 PROMPT = ("The lighthouse keeper had not spoken to anyone in three weeks when the storm brought a stranger to "
           "the door. She")
 LONG_PROMPT = TEXT * 3  # the batch suite's paragraph on the printing press, three times: about 800 tokens
+SPECULATIVE_PROMPTS = {"open-ended": "Write a short story about a dragon who wants to learn to paint.",
+                       "copy-heavy": f"Repeat this text exactly: {TEXT}"}
+STRATEGIES = {"plain": [], "prompt-lookup": ["--speculative", "prompt-lookup"],
+              "lookahead": ["--speculative", "lookahead"]}
 STATS = re.compile(r"(\d+) decode tokens at ([\d.]+) tok/s")
 PATH = re.compile(r"\[path: (\w+)")
+PER_FORWARD = re.compile(r"([\d.]+) tokens per target forward")
 
 
-def minillm_command(quant: str, eager: bool, new_tokens: int, prompt: str = PROMPT) -> list[str]:
-    return [sys.executable, "-m", "minillm.infer", "--prompt", prompt, "--no-chat", "--greedy", "--max-new-tokens",
-            str(new_tokens), "--quant", quant, "--stats", *(["--eager"] if eager else [])]
+def minillm_command(quant: str, eager: bool, new_tokens: int, prompt: str = PROMPT, chat: bool = False,
+                    extra: tuple = ()) -> list[str]:
+    return [sys.executable, "-m", "minillm.infer", "--prompt", prompt, *([] if chat else ["--no-chat"]), "--greedy",
+            "--max-new-tokens", str(new_tokens), "--quant", quant, "--stats", *(["--eager"] if eager else []),
+            *extra]
 
 
 def llama_command(gguf: Path, new_tokens: int, prompt: str = PROMPT) -> list[str]:
@@ -67,11 +78,13 @@ def timed_process(command: list[str], env: dict) -> dict:
     end = time.perf_counter()
     if child.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:4])} ... failed (exit {child.returncode}): {err.strip()[-300:]}")
-    stats, path = STATS.search(err), PATH.search(err)
+    stats, path, per_forward = STATS.search(err), PATH.search(err), PER_FORWARD.search(err)
     return {"seconds": end - start, "first_text_seconds": (first or end) - start,
             "decode_tokens": int(stats.group(1)) if stats else None,
             "decode_tokens_per_second": float(stats.group(2)) if stats else None,
-            "path": path.group(1) if path else None, "text": b"".join(chunks).decode(errors="replace")}
+            "path": path.group(1) if path else None, "text": b"".join(chunks).decode(errors="replace"),
+            **({"tokens_per_target_forward": float(per_forward.group(1)),
+                "verified_eagerly": "verified drafts eagerly" in err} if per_forward else {})}
 
 
 def check_llama_runs(ggufs: dict[str, Path]) -> None:
@@ -135,6 +148,11 @@ def run(args) -> dict:
                 contenders["llama.cpp long-prompt F32"] = recorder(records, "llama.cpp long-prompt F32",
                                                                    llama_command(ggufs["F32"], new_tokens, LONG_PROMPT),
                                                                    env)
+            for task, prompt in SPECULATIVE_PROMPTS.items():  # the default path: kept decode and verify graphs
+                for strategy, flags in STRATEGIES.items():
+                    name = f"speculative {task} {strategy}"
+                    command = minillm_command("none", False, new_tokens, prompt, chat=True, extra=tuple(flags))
+                    contenders[name] = recorder(records, name, command, env)
         alternate(contenders, repeats=repeats, warmup=1, desc="whole processes")
     rows = {}
     for name, runs in records.items():
@@ -144,13 +162,20 @@ def run(args) -> dict:
         rows[name] = {"seconds": median(seconds), "seconds_per_repeat": seconds,
                       "first_text_seconds": median([r["first_text_seconds"] for r in runs]),
                       "decode_tokens_per_second": median(rates), "decode_tokens_per_second_per_repeat": rates,
-                      "decode_tokens": runs[-1]["decode_tokens"], "path": runs[-1]["path"], "text": runs[-1]["text"]}
+                      "decode_tokens": runs[-1]["decode_tokens"], "path": runs[-1]["path"], "text": runs[-1]["text"],
+                      **{key: runs[-1][key] for key in ("tokens_per_target_forward", "verified_eagerly")
+                         if key in runs[-1]}}
     for name, row in rows.items():
         if name.startswith("minillm") and name.endswith("compiled"):
             row["same_text_as_eager"] = row["text"] == rows[name.replace("compiled", "eager")]["text"]
+        if name.startswith("speculative") and not name.endswith("plain"):
+            plain = rows[name.rsplit(" ", 1)[0] + " plain"]
+            row["same_text_as_plain"] = row["text"] == plain["text"]
+            row["decode_vs_plain"] = row["decode_tokens_per_second"] / plain["decode_tokens_per_second"]
         print(f"{name:26s} first text {row['first_text_seconds']:5.2f} s, exit {row['seconds']:5.2f} s, decode "
               f"{row['decode_tokens_per_second']:6.1f} tok/s ({row['path'] or 'llama.cpp'})", flush=True)
     return {"model": args.model, "quick": quick, "prompt": PROMPT, "long_prompt": None if quick else LONG_PROMPT,
+            "speculative_prompts": None if quick else SPECULATIVE_PROMPTS,
             "new_tokens": new_tokens, "repeats": repeats,
             "threads": torch.get_num_threads(), "llama_cpp": llama, "first_build_seconds": builds,
             "contenders": rows}
@@ -162,7 +187,8 @@ def recorder(records: dict, name: str, command: list[str], env: dict):
     return run
 
 
-COLORS = {"eager": "tab:blue", "compiled": "tab:green", "llama.cpp": "tab:red"}
+COLORS = {"eager": "tab:blue", "compiled": "tab:green", "llama.cpp": "tab:red", "plain": "tab:green",
+          "prompt-lookup": "tab:orange", "lookahead": "tab:purple"}
 
 
 def plot(data: dict, path) -> None:

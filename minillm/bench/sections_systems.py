@@ -230,6 +230,8 @@ def cli_section(title: str, data: dict, links: dict) -> str:
     header = ["process", "path that ran", "start to first text (s)", "whole run (s)", "decode tok/s (spread)",
               "decode vs llama.cpp"]
     body = []
+    speculative = {name: row for name, row in rows.items() if name.startswith("speculative")}
+    rows = {name: row for name, row in rows.items() if name not in speculative}
     for name, row in rows.items():
         quant = next((q for q in ("int8", "gguf") if f" {q} " in name), "none")
         reference = LLAMA_REFERENCE[quant]
@@ -242,8 +244,10 @@ def cli_section(title: str, data: dict, links: dict) -> str:
                      f"{row['decode_tokens_per_second']:.1f} "
                      f"({md.span(row['decode_tokens_per_second_per_repeat'], 1)})", ratio])
     builds = ", ".join(f"{'float32' if q == 'none' else q} {s:.0f} s" for q, s in data["first_build_seconds"].items())
-    notes = [md.bullet(f"First build of the compiled decode graph (`python -m minillm.compile`, the whole process, "
-                       f"in an empty cache): {builds}. Later runs load it; none builds it again.")]
+    graphs = ("the decode graph and the verify graph of speculative decoding's defaults"  # runs since the default
+              if data.get("speculative_prompts") else "the decode graph")  # build added the verify graph
+    notes = [md.bullet(f"First build of the compiled graphs (`python -m minillm.compile`, the whole process, in an "
+                       f"empty cache: {graphs}): {builds}. Later runs load them; none builds them again.")]
     for name, row in rows.items():
         if "same_text_as_eager" in row:
             same = "the same text as" if row["same_text_as_eager"] else "text differing from"
@@ -253,6 +257,8 @@ def cli_section(title: str, data: dict, links: dict) -> str:
         notes.append(md.bullet(f"The long prompt (the batch suite's paragraph three times, about 800 tokens): start "
                                f"to first text {long['first_text_seconds']:.2f} s compiled against llama.cpp F32's "
                                f"{llama_long['first_text_seconds']:.2f} s; both prefill it before their first token."))
+    if speculative:
+        notes.append(speculative_table(speculative, data["speculative_prompts"]))
     if data["llama_cpp"] is not None:
         notes.append(md.bullet(f"llama.cpp: {data['llama_cpp']}."))
     return md.section(title, links,
@@ -261,6 +267,24 @@ def cli_section(title: str, data: dict, links: dict) -> str:
                       f"medians of {data['repeats']} rounds after a warm-up, contenders alternating. Decode tok/s is "
                       "each process's own report (after its first token); the times are wall clock from the start.",
                       data, header, body, notes)
+
+
+def speculative_table(rows: dict, prompts: dict) -> str:
+    """The cli suite's speculative rows: each strategy's decode rate against plain decoding's on the same prompt."""
+    body = []
+    for name, row in rows.items():
+        _, task, strategy = name.split(" ", 2)
+        vs_plain = row.get("decode_vs_plain")
+        body.append([task, strategy, f"{row['decode_tokens_per_second']:.1f} "
+                     f"({md.span(row['decode_tokens_per_second_per_repeat'], 1)})", f"{row['seconds']:.2f}",
+                     "—" if vs_plain is None else md.times(vs_plain),
+                     f"{row['tokens_per_target_forward']:.2f}" if "tokens_per_target_forward" in row else "1",
+                     "—" if "same_text_as_plain" not in row else "yes" if row["same_text_as_plain"] else "NO"])
+    said = "; ".join(f'{task}: "{prompt[:60]}..."' for task, prompt in prompts.items())
+    return "\n" + "\n\n".join([md.paragraph(f"Speculative decoding on the default path (float32, the kept decode and verify "
+                                     f"graphs, each strategy's defaults), chat prompts ({said}):"),
+                        md.table(["prompt", "strategy", "decode tok/s (spread)", "whole run (s)", "decode vs plain",
+                                  "tokens per target forward", "same text as plain"], body)])
 
 
 SAME_WEIGHTS = {"minillm float32": "llama.cpp F32", "minillm float32 compiled": "llama.cpp F32",
