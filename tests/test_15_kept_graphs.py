@@ -421,6 +421,12 @@ def test_speculative_rounds_verify_through_a_kept_graph_with_the_eager_tokens(ke
     assert compile_model(model, kept=True).eager_calls == 1  # the prompt: every round ran a graph
     names = sorted(p.name.rsplit("-", 1)[0] for p in (kept_home / "graphs").iterdir())
     assert "decode-b1-t1-sany" in names and "verify-b1-t5-sany" in names
+    # A shorter draft, by default (compile=None), verifies through the longer kept graph (padded), not eagerly.
+    before = compile_model(model, kept=True).eager_calls
+    shorter = speculative_generate(model, prompt, PromptLookup(), max_new_tokens=24, num_draft_tokens=2)
+    assert shorter.stats.extra["graph"] == "compiled" and "verify_graph" not in shorter.stats.extra
+    assert shorter.token_ids == eager.token_ids and shorter.stats.extra["drafted"] > 0
+    assert compile_model(model, kept=True).eager_calls == before + 1  # the prompt only
 
 
 def test_the_files_left_out_of_the_source_digest_exist_and_hold_no_forward():

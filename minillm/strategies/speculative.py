@@ -82,8 +82,9 @@ class SpeculativeDecoder:
         budget follow what the target accepts, below that ceiling (`_count_depths`), so text where
         drafts fail costs little. Left as None, both come from the drafter when it says (`max_draft`,
         `adaptive`: lookahead's decoding length, adaptive), else 4 and fixed. The adaptive budget
-        never drops below the drafter's `min_draft` (1 unless it says): see `FREE_DRAFT`. compile: as
-        `generate`'s (None: the kept graphs when built), with a verify graph for k + 1 tokens beside decode's."""
+        shrinks to the drafter's `min_draft` (1 unless it says: see `FREE_DRAFT`), then pauses drafting
+        (`_count_depths`). compile: as `generate`'s (None: the kept graphs when built; a verify graph
+        not built leaves the drafting rounds eager), with a verify graph for k + 1 tokens beside decode's."""
         num_draft_tokens = getattr(drafter, "max_draft", 4) if num_draft_tokens is None else num_draft_tokens
         adaptive = getattr(drafter, "adaptive", False) if adaptive is None else adaptive
         check_num_draft_tokens(num_draft_tokens)
