@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "generation decodes through the compiled graph when one is already built for the model "
                       "(`python -m minillm.compile`, or --compile, builds it once; --eager turns it off), and "
                       "otherwise runs eager PyTorch (oneDNN matmuls on the CPU; --plain: the from-scratch model "
-                      "alone); --stats prints which path ran.",
+                      "alone). --speculative decodes through the same graph and verifies drafts through the verify "
+                      "graph the same command builds (eagerly where none is built). --stats prints which path ran.",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="the prompt; repeat the flag for several prompts (generated in batches)")
@@ -121,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-draft-tokens", type=int, metavar="K",
                    help=f"the most tokens drafted per round with model or prompt-lookup (default "
                         f"{DEFAULT_VERIFY_TOKENS - 1}: the verify graph python -m minillm.compile builds); the budget "
-                        "adapts below it, and where even one drafted token keeps failing, rounds are plain decode "
-                        "steps for a while (a copy found in the context drafts again at once)")
+                        "adapts below it, and where even the smallest draft keeps failing, rounds are plain decode "
+                        "steps for a while (with prompt-lookup, a copy found in the context ends the pause)")
     d.add_argument("--decoding-length", type=int, metavar="N",
                    help="lookahead: the most draft tokens (tree nodes) one forward verifies; the budget adapts "
                         "below it, shrinking where drafts fail down to 5 nodes, then pausing into plain decode "

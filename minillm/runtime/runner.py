@@ -103,10 +103,11 @@ class ModelRunner:
                         and model.device.type == "cpu"  # a GPU keeps nothing: it compiles and records when asked
                         and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
                         and uses_default_attention(model))  # another kernel asked for (lesson 16) runs eagerly
-            problems = list(map(compile_model(model, kept=True).kept_problem, shapes)) if eligible else []
+            kept = compile_model(model, kept=True) if eligible else None
+            problems = list(map(kept.kept_problem, shapes)) if eligible else []
             if eligible and len(shapes) > 1 and problems[1] == "missing":  # a longer kept verify graph serves too
-                shapes[1] = kept_verify_holding(compile_model(model, kept=True), shapes[1]) or shapes[1]
-                problems[1] = compile_model(model, kept=True).kept_problem(shapes[1])
+                shapes[1] = kept_verify_holding(kept, shapes[1]) or shapes[1]
+                problems[1] = kept.kept_problem(shapes[1])
             # The decode graph decides; a verify graph not built leaves speculative rounds that draft to the
             # eager forward over the same cache, while the plain steps between them still run compiled.
             graph = "compiled" if eligible and problems[0] is None else "eager"

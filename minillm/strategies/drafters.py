@@ -58,8 +58,8 @@ class Drafter(Protocol):
     def rollback(self, sequence: list[int]) -> None:
         """Forget whatever was drafted beyond `sequence` (the target has decided)."""
 
-    # Optional: `confident(sequence) -> bool`, whether the context offers a match worth verifying even
-    # while an adaptive run has paused drafting (`minillm.strategies.speculative.confident`).
+    # Optional: `confident(sequence) -> bool`, whether the context offers a match worth verifying: an
+    # adaptive run with such a drafter drafts only then until a round pays (`SpeculativeDecoder._count_depths`).
 
     # Optional: `end(sequence, prompt_length)`, called once the sequence is finished, lets a drafter
     # that learns from outputs (lesson 11's lookahead) keep it.
@@ -80,8 +80,8 @@ def latest_earlier_occurrence(sequence: list[int], size: int, end: int | None = 
 # little and only longer drafts make it dearer (lesson 11 measures where the curve bends). A drafter
 # whose drafts are free to make (a lookup, not a model) drafts at least this many tokens once it drafts
 # at all: a shorter draft would cost nearly as much. Where even those keep failing, the adaptive budget
-# pauses drafting (`SpeculativeDecoder._count_depths`), for a verify forward still costs more than a
-# plain step. The 5 was set on an AVX-512 machine whose matrix library ran a 5-row forward about as
+# pauses drafting and waits for a confident match (`SpeculativeDecoder._count_depths`), for a verify
+# forward still costs more than a plain step. The 5 was set on an AVX-512 machine whose matrix library ran a 5-row forward about as
 # fast as a 1-row one; the verify cost is a property of the machine (`verify_cost` in
 # results/speculative.json). Measure before changing it.
 FREE_DRAFT = 5
@@ -107,8 +107,8 @@ class PromptLookup:
         pass
 
     def confident(self, sequence) -> bool:
-        """The context's last `max_ngram` tokens occur earlier: a match long enough to end a pause in drafting
-        (a single shared token, the shortest match `propose` drafts from, is too common to be worth a forward)."""
+        """The context's last `max_ngram` tokens occur earlier: a match long enough to draft from while drafts have
+        not paid (a single shared token, the shortest match `propose` drafts from, is too common to be worth a forward)."""
         return len(sequence) > self.max_ngram and latest_earlier_occurrence(sequence, self.max_ngram) is not None
 
     def propose(self, sequence, n, config, history, generator):

@@ -184,8 +184,8 @@ class Lookahead:
     The decoder reads `max_draft` (its budget's ceiling), `adaptive` (shrink the
     budget where drafts fail, and pause drafting where even the smallest fails, so
     open-ended text costs little), `min_draft` (the floor the budget shrinks to:
-    `FREE_DRAFT`, as drafting costs nothing) and `confident` (a copy under way ends a
-    pause) from the drafter. The time `propose` takes is the decoder's `draft_seconds`:
+    `FREE_DRAFT`, as drafting costs nothing) and `confident` (a copy under way: what a
+    run whose drafts have not paid waits for) from the drafter. The time `propose` takes is the decoder's `draft_seconds`:
     retrieval, for lookahead.
     """
 
@@ -223,9 +223,13 @@ class Lookahead:
         self.fed = len(sequence)
 
     def confident(self, sequence) -> bool:
-        """The output is copying earlier text (`CopyPointer`): worth a verify forward even while drafting pauses."""
+        """The output is copying earlier text (`CopyPointer`), or a trie continues the last `max_match` tokens
+        (the context's earlier text, the memory's earlier outputs): worth a verify forward even where drafts
+        have not paid. A continuation of a shorter suffix is too common to count."""
         self._catch_up(sequence)
-        return self.pointer.copying
+        suffix = sequence[-self.max_match:]
+        return self.pointer.copying or len(sequence) > self.max_match and any(
+            (node := trie.find(suffix)) is not None and bool(node.children) for trie in (self.context, self.memory))
 
     def propose(self, sequence, n, config, history, generator) -> Draft:
         self._catch_up(sequence)

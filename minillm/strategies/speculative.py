@@ -35,12 +35,15 @@ from .drafters import Draft, Drafter
 
 
 MAX_PAUSE = 16  # the most plain steps an adaptive run takes between drafts that keep failing
+# The accepted tokens a round needs to pay for its verify forward: through the kept graphs a 9-token verify costs
+# about two decode steps (55 against 25 ms on the 2-core AMD EPYC), so a round that accepts one token only breaks
+# even. A draft shorter than this pays when all of it is accepted.
+PAYING_ACCEPTS = 2
 
 
-def confident(drafter: Drafter, sequence: list[int]) -> bool:
-    """Whether the drafter sees a match in the context worth a verify forward even while drafting pauses
-    (its optional `confident`; a drafter without one never ends a pause early)."""
-    return bool(getattr(drafter, "confident", None) and drafter.confident(sequence))
+def can_be_confident(drafter: Drafter) -> bool:
+    """Whether the drafter says when the context offers a match worth a verify forward (its optional `confident`)."""
+    return callable(getattr(drafter, "confident", None))
 
 
 def independent_stream(generator: torch.Generator) -> torch.Generator:
@@ -118,8 +121,8 @@ class SpeculativeDecoder:
         self.adaptive, self.budget = adaptive, num_draft_tokens
         self.min_draft = min(getattr(drafter, "min_draft", 1), num_draft_tokens)  # the adaptive budget's floor
         self.pause = self.paused = 0  # adaptive: plain steps to take before drafting again; the last pause's length
-        self.heed_confident = True  # whether the drafter's confidence may end a pause (not after it just failed)
-        self.broke_pause = False  # whether this round drafts because confidence ended a pause
+        # adaptive, with a drafter that says when it is `confident`: draft only then, until a round pays
+        self.cold = adaptive and can_be_confident(drafter)
         self.reached: dict[int, int] = {}  # depth -> rounds whose draft reached it
         self.kept: dict[int, int] = {}  # depth -> rounds that accepted a token at it
 
@@ -160,13 +163,9 @@ class SpeculativeDecoder:
         """Draft up to `budget` tokens, verify them in one target forward, keep the agreed prefix + one."""
         remaining = self.config.max_new_tokens - len(self.state.token_ids)
         most = min(self.k, remaining - 1)  # a round emits at most one token more than it drafts
-        self.broke_pause = bool(self.pause and self.heed_confident and confident(self.drafter, self.sequence))
-        if self.broke_pause:  # the context offers a match: try it now
-            self.pause = 0
-        n = 0 if self.pause else min(self.budget, most)  # 0: a plain decode step (the decode graph, if kept)
-        if self.pause:
-            self.pause -= 1
-            self.heed_confident = self.heed_confident or not self.pause  # a pause run out: matches count again
+        drafts = not self.pause and (not self.cold or self.drafter.confident(self.sequence))
+        n = min(self.budget, most) if drafts else 0  # 0: a plain decode step (the decode graph, if kept)
+        self.pause = max(0, self.pause - 1)
         start = time.perf_counter()
         draft = (self.drafter.propose(self.sequence, n, self.config, self.history, self.draft_generator).first(most)
                  if n > 0 else Draft([]))
@@ -241,28 +240,30 @@ class SpeculativeDecoder:
         - part of it: twice what was accepted, or half the budget if that is more;
         - nothing of a draft above the floor: halve it, never below the drafter's `min_draft` (a drafter
           whose drafts cost nothing to make says how many tokens are worth a verify forward once it runs);
-        - nothing of a draft at that floor: pause drafting for 1, 2, 4 ... `MAX_PAUSE` plain steps (twice
-          the last pause, until a draft is accepted), since a verify forward costs more than a plain step
-          (lesson 08's break-even: a round must gain more tokens than its verify costs steps). A pause
-          ends early where the drafter is `confident` (a long match in the context), unless the last
-          draft made so failed: then the pause runs out, so open text pays for few failed drafts."""
+        - too little of a draft at that floor to pay (fewer than `PAYING_ACCEPTS` tokens, or than it
+          drafted): pause drafting for 1, 2, 4 ... `MAX_PAUSE` plain steps (twice the last pause, until a
+          round pays), since a verify forward costs more than a plain step (lesson 08's break-even: a round
+          must gain more tokens than its verify costs steps). A drafter that can say when it is
+          `confident` (a long match in the context) also goes cold: it drafts only when confident until
+          a round pays, so open text, where its shorter matches fail, costs few failed drafts (a cold
+          run starts so: the first drafts wait for a match)."""
         for d in range(1, result.depth + 1):
             self.reached[d] = self.reached.get(d, 0) + 1
             self.kept[d] = self.kept.get(d, 0) + (result.accepted >= d)
         if self.adaptive and result.depth:
+            paid = result.accepted >= min(PAYING_ACCEPTS, result.depth)
             if result.accepted >= result.depth:
                 budget = 2 * self.budget
             elif result.accepted:
                 budget = max(2 * result.accepted, self.budget // 2)
-            elif self.budget <= self.min_draft:
-                budget = self.budget
-                self.pause = self.paused = min(MAX_PAUSE, 2 * self.paused or 1)
-                self.heed_confident = not self.broke_pause  # a confident draft that failed: sit this pause out
             else:
                 budget = self.budget // 2
+            if not paid and self.budget <= self.min_draft:  # the smallest draft did not pay: pause, go cold
+                self.pause = self.paused = min(MAX_PAUSE, 2 * self.paused or 1)
+                self.cold = can_be_confident(self.drafter)
             self.budget = min(self.k, max(self.min_draft, budget))
-            if result.accepted:
-                self.paused, self.heed_confident = 0, True
+            if paid:
+                self.paused, self.cold = 0, False
 
     def stats_extra(self) -> dict:
         emitted_in_rounds = len(self.state.token_ids) - 1
@@ -337,4 +338,4 @@ def speculative_generate(model, prompt, drafter: Drafter, config: SamplingConfig
 
 
 __all__ = ["speculative_generate", "SpeculativeGeneration", "SpeculativeDecoder", "Round", "independent_stream",
-           "check_num_draft_tokens", "confident", "MAX_PAUSE"]
+           "check_num_draft_tokens", "can_be_confident", "MAX_PAUSE", "PAYING_ACCEPTS"]
