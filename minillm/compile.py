@@ -45,6 +45,23 @@ def compile_command(args, rows: int, num_draft_tokens: int | None) -> str:
     return " ".join(["python -m minillm.compile", *(f"{flag} {shlex.quote(str(value))}" for flag, value in flags)])
 
 
+def eager_path_hint(extra: dict, build: str) -> str | None:
+    """What a run that could have used kept graphs says when some of it ran eagerly (its stats' `extra`: the graph
+    that ran, a damaged package, drafts verified eagerly), naming `build`, the command that builds what it lacked;
+    None when everything ran compiled."""
+    eager_verify = extra.get("verify_graph") == "eager"
+    if extra.get("graph") != "eager" and not eager_verify:
+        return None
+    if damaged := extra.get("kept_problem"):
+        return (f"minillm: {'verified drafts' if eager_verify else 'decoded'} eagerly: the kept compiled graph "
+                f"{damaged}, so it was not loaded; `{build}` builds it again")
+    if eager_verify:
+        return (f"minillm: decoded through the kept graph, verified drafts eagerly: `{build}` builds the verify "
+                "graph once, and later runs verify faster")
+    return (f"minillm: decoded eagerly: `{build}` builds the compiled graphs once, and later runs load them in "
+            "seconds and decode faster")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minillm.compile", description="Build the compiled decode graph of a model "
                       "(lesson 15) and keep it on disk: 40 s to three minutes per graph on two cores, once; "
@@ -57,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows decoded together (repeatable; default 1: one prompt, as the CLI runs it)")
     p.add_argument("--verify-tokens", type=int, action="append", metavar="N",
                    help="the verify graphs to build for speculative decoding: N = the most tokens drafted per round "
-                        f"+ 1 (default {DEFAULT_VERIFY_TOKENS}, which the defaults of every --speculative drafter use); "
+                        f"+ 1 (default {DEFAULT_VERIFY_TOKENS}: the defaults of every --speculative drafter use it); "
                         "repeatable")
     p.add_argument("--serve", action="store_true",
                    help="build the server's step instead (python -m minillm.serve's engine: every request decoding "

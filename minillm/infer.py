@@ -13,7 +13,7 @@ import sys
 from .base import jsonio
 from .base.cli_inputs import command_line_text, read_prompts_file, schema_text
 from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, exit_at_once, run_command
-from .compile import DEFAULT_VERIFY_TOKENS, compile_command
+from .compile import DEFAULT_VERIFY_TOKENS, compile_command, eager_path_hint
 from .decoding.outputs import check_fits_context, encode_prompts
 from .decoding.sampling import SamplingConfig, SamplingError
 from .strategies.streaming import PrintStreamer
@@ -349,20 +349,11 @@ def run(args) -> int:
     else:
         out = generate_in_batches(model, rows, args.batch_size, config, tokenizer=tokenizer, cache=args.cache,
                                   streamer=PrintStreamer() if stream else None, compile=compile)
-    eager_verify = out.stats.extra.get("verify_graph") == "eager"
-    if compile is None and (out.stats.extra.get("graph") == "eager" or eager_verify) and args.cache == "static" \
-            and model.device.type == "cpu":  # a GPU keeps no package: --compile captures one in the run
-        build = compile_command(args, 1 if args.speculative else min(args.batch_size, len(prompts)),
-                                out.stats.extra.get("num_draft_tokens"))
-        if damaged := out.stats.extra.get("kept_problem"):
-            print(f"minillm: {'verified drafts' if eager_verify else 'decoded'} eagerly: the kept compiled graph "
-                  f"{damaged}, so it was not loaded; `{build}` builds it again", file=sys.stderr)
-        elif eager_verify:
-            print(f"minillm: decoded through the kept graph, verified drafts eagerly: `{build}` builds the verify "
-                  "graph once, and later runs verify faster", file=sys.stderr)
-        else:
-            print(f"minillm: decoded eagerly: `{build}` builds the compiled graphs once, and later runs load them "
-                  "in seconds and decode faster", file=sys.stderr)
+    if compile is None and args.cache == "static" and model.device.type == "cpu":  # a GPU keeps no package
+        rows_decoded = 1 if args.speculative else min(args.batch_size, len(prompts))
+        if hint := eager_path_hint(out.stats.extra, compile_command(args, rows_decoded,
+                                                                   out.stats.extra.get("num_draft_tokens"))):
+            print(hint, file=sys.stderr)
     per_prompt = beam["num_return_sequences"] if beam else 1
     for i, row in enumerate(out.rows):
         prompt = prompts[i // per_prompt]

@@ -281,8 +281,9 @@ def speculative_table(rows: dict, prompts: dict) -> str:
                      f"{row['tokens_per_target_forward']:.2f}" if "tokens_per_target_forward" in row else "1",
                      "—" if "same_text_as_plain" not in row else "yes" if row["same_text_as_plain"] else "NO"])
     said = "; ".join(f'{task}: "{prompt[:60]}..."' for task, prompt in prompts.items())
-    return "\n" + "\n\n".join([md.paragraph(f"Speculative decoding on the default path (float32, the kept decode and verify "
-                                     f"graphs, each strategy's defaults), chat prompts ({said}):"),
+    lead = (f"Speculative decoding on the default path (float32, the kept decode and verify graphs, each strategy's "
+            f"defaults), chat prompts ({said}):")
+    return "\n" + "\n\n".join([md.paragraph(lead),
                         md.table(["prompt", "strategy", "decode tok/s (spread)", "whole run (s)", "decode vs plain",
                                   "tokens per target forward", "same text as plain"], body)])
 

@@ -81,9 +81,9 @@ def latest_earlier_occurrence(sequence: list[int], size: int, end: int | None = 
 # whose drafts are free to make (a lookup, not a model) drafts at least this many tokens once it drafts
 # at all: a shorter draft would cost nearly as much. Where even those keep failing, the adaptive budget
 # pauses drafting and waits for a confident match (`SpeculativeDecoder._count_depths`), for a verify
-# forward still costs more than a plain step. The 5 was set on an AVX-512 machine whose matrix library ran a 5-row forward about as
-# fast as a 1-row one; the verify cost is a property of the machine (`verify_cost` in
-# results/speculative.json). Measure before changing it.
+# forward still costs more than a plain step. The 5 was set on an AVX-512 machine whose matrix library
+# ran a 5-row forward about as fast as a 1-row one; the verify cost is a property of the machine
+# (`verify_cost` in results/speculative.json). Measure before changing it.
 FREE_DRAFT = 5
 
 
@@ -107,8 +107,9 @@ class PromptLookup:
         pass
 
     def confident(self, sequence) -> bool:
-        """The context's last `max_ngram` tokens occur earlier: a match long enough to draft from while drafts have
-        not paid (a single shared token, the shortest match `propose` drafts from, is too common to be worth a forward)."""
+        """The context's last `max_ngram` tokens occur earlier: a match long enough to draft from while drafts
+        have not paid (a single shared token, the shortest match `propose` drafts from, is too common to be worth
+        a forward)."""
         return len(sequence) > self.max_ngram and latest_earlier_occurrence(sequence, self.max_ngram) is not None
 
     def propose(self, sequence, n, config, history, generator):

@@ -185,8 +185,8 @@ class Lookahead:
     budget where drafts fail, and pause drafting where even the smallest fails, so
     open-ended text costs little), `min_draft` (the floor the budget shrinks to:
     `FREE_DRAFT`, as drafting costs nothing) and `confident` (a copy under way: what a
-    run whose drafts have not paid waits for) from the drafter. The time `propose` takes is the decoder's `draft_seconds`:
-    retrieval, for lookahead.
+    run whose drafts have not paid waits for) from the drafter. The time `propose`
+    takes is the decoder's `draft_seconds`: retrieval, for lookahead.
     """
 
     adaptive = True
