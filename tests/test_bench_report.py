@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -178,7 +180,8 @@ def cli_result() -> dict:
             "verified_eagerly": False, "same_text_as_plain": task == "open-ended", "decode_vs_plain": lookup / plain}
     return stamped("cli", quick=False, prompt="The lighthouse keeper had not spoken to anyone", new_tokens=128,
                    threads=2, llama_cpp=None, first_build_seconds={"none": 80.0, "gguf": 70.0}, contenders=contenders,
-                   speculative_prompts={"open-ended": "Write a story.", "copy-heavy": "Repeat this text exactly: A."})
+                   speculative_prompts={"open-ended": "Write a story.", "copy-heavy": "Repeat this text exactly: A."},
+                   torch_import_seconds=0.7, torch_import_seconds_per_repeat=[0.6, 0.7, 0.9])
 
 
 SYNTHETIC = {"decode": decode_result, "cache-scaling": cache_scaling_result, "batch": batch_result,
@@ -216,6 +219,9 @@ def test_cli_report_sets_each_process_against_its_llama_cpp_format(results_dir):
     assert "| minillm compiled | compiled | 1.00 | 8.00 | 60.0 (54.0-72.0) | 1.20x |" in section
     assert "| minillm gguf compiled | compiled | 1.00 | 8.00 | 110.0 (99.0-132.0) | 1.10x |" in section
     assert "float32 80 s, gguf 70 s" in section
+    assert ("A process that only imports torch took 0.70 s (0.60-0.90 s) in the same rounds: the floor under every "
+            "minillm start. The first text came that much later in the compiled runs: compiled 0.30 s, gguf compiled "
+            "0.30 s. llama.cpp's processes import no torch." in flat(section))
     # Speculative rows: their own table, each strategy against plain decoding on its prompt, not against llama.cpp.
     assert "| speculative" not in section
     assert "| open-ended | prompt-lookup | 39.0 (35.1-46.8) | 8.00 | 0.97x | 1.46 | yes |" in section
@@ -436,6 +442,26 @@ def test_a_crashing_llama_cpp_is_caught_before_the_builds(monkeypatch, tmp_path)
         processes.check_llama_runs({"Q4_1": tmp_path / "model.gguf"})
     monkeypatch.setattr(processes, "llama_command", lambda path, new_tokens: [sys.executable, "-c", "pass"])
     processes.check_llama_runs({"Q4_1": tmp_path / "model.gguf"})  # a contender that runs passes
+
+
+def test_the_llama_cpp_contender_imports_no_torch(tmp_path):
+    """llama.cpp's process is charged no torch import: run by path with a stand-in llama_cpp, it streams the tokens,
+    reports its rate in the line the suite parses, and ends without torch (or minillm) imported."""
+    from minillm.bench import processes
+
+    (tmp_path / "llama_cpp.py").write_text(
+        "class Llama:\n"
+        "    def __init__(self, **settings): self.settings = settings\n"
+        "    def create_completion(self, prompt, max_tokens, temperature, stream):\n"
+        "        return ({'choices': [{'text': f' t{i}'}]} for i in range(max_tokens))\n")
+    command = processes.llama_command(tmp_path / "model.gguf", 5, "Hello")
+    probe = ("import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "print('imported:', *sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'minillm')), file=sys.stderr)")
+    child = subprocess.run([sys.executable, "-c", probe, *command[1:]], capture_output=True, text=True, check=True,
+                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert child.stdout == " t0 t1 t2 t3 t4"
+    assert processes.STATS.search(child.stderr).group(1) == "4"
+    assert child.stderr.splitlines()[-1] == "imported:"  # no torch, no minillm module
 
 
 def test_every_option_is_assigned_to_commands():

@@ -18,8 +18,10 @@ then streams tokens. This suite runs exactly those commands, each in a fresh pro
                              and a copy-heavy one; each strategy's decode rate against plain's
 
 For each it records the wall time to the first streamed text and to exit, and the decode
-rate the process reports for itself. The builds happen in a fresh $MINILLM_HOME (the model
-conversions linked in from the real one), so the first build is a real first build.
+rate the process reports for itself; in the same rounds, a process that only imports torch
+times the floor under every minillm start (llama.cpp's process imports no torch: `llama_child`).
+The builds happen in a fresh $MINILLM_HOME (the model conversions linked in from the real
+one), so the first build is a real first build.
 
     python -m minillm.bench cli            # 128 new tokens, every contender, 3 rounds
     python -m minillm.bench cli --quick    # 32 new tokens, float32 and llama.cpp F32 only, 1 round
@@ -52,6 +54,9 @@ STRATEGIES = {"plain": [], "prompt-lookup": ["--speculative", "prompt-lookup"],
 STATS = re.compile(r"(\d+) decode tokens at ([\d.]+) tok/s")
 PATH = re.compile(r"\[path: (\w+)")
 PER_FORWARD = re.compile(r"([\d.]+) tokens per target forward")
+LLAMA_CHILD = Path(__file__).with_name("llama_child.py")
+# The floor under every minillm process's start: a process that only imports torch, timed in the same rounds.
+TORCH_IMPORT = [sys.executable, "-c", "import torch"]
 
 
 def minillm_command(quant: str, eager: bool, new_tokens: int, prompt: str = PROMPT, chat: bool = False,
@@ -62,7 +67,8 @@ def minillm_command(quant: str, eager: bool, new_tokens: int, prompt: str = PROM
 
 
 def llama_command(gguf: Path, new_tokens: int, prompt: str = PROMPT) -> list[str]:
-    return [sys.executable, "-m", "minillm.bench.processes", "llama", str(gguf), str(new_tokens), prompt]
+    """llama.cpp's process, started by path so that it imports neither minillm nor torch (`llama_child`)."""
+    return [sys.executable, str(LLAMA_CHILD), str(gguf), str(new_tokens), prompt, str(torch.get_num_threads())]
 
 
 def timed_process(command: list[str], env: dict) -> dict:
@@ -153,7 +159,8 @@ def run(args) -> dict:
                     name = f"speculative {task} {strategy}"
                     command = minillm_command("none", False, new_tokens, prompt, chat=True, extra=tuple(flags))
                     contenders[name] = recorder(records, name, command, env)
-        alternate(contenders, repeats=repeats, warmup=1, desc="whole processes")
+        contenders["torch import"] = lambda: timed_process(TORCH_IMPORT, env)["seconds"]
+        torch_import = alternate(contenders, repeats=repeats, warmup=1, desc="whole processes")["torch import"]
     rows = {}
     for name, runs in records.items():
         runs = runs[1:]  # the warm-up round is dropped, as `alternate` drops its time
@@ -178,6 +185,7 @@ def run(args) -> dict:
             "speculative_prompts": None if quick else SPECULATIVE_PROMPTS,
             "new_tokens": new_tokens, "repeats": repeats,
             "threads": torch.get_num_threads(), "llama_cpp": llama, "first_build_seconds": builds,
+            "torch_import_seconds": median(torch_import), "torch_import_seconds_per_repeat": torch_import,
             "contenders": rows}
 
 
@@ -211,23 +219,3 @@ def plot(data: dict, path) -> None:
     right.legend(fontsize=8)
     fig.suptitle(plot_title("Whole processes as a user runs them", data, "float32 and quantized"), fontsize=10)
     finish_figure(fig, path)
-
-
-def llama_child(gguf: str, new_tokens: int, prompt: str) -> None:
-    """The llama.cpp contender's process: load the GGUF, stream `new_tokens` greedy tokens after `prompt`, report
-    the rate."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=torch.get_num_threads(),
-                n_threads_batch=torch.get_num_threads(), verbose=False, use_extra_bufts=False)
-    times = []
-    for chunk in llm.create_completion(prompt, max_tokens=new_tokens, temperature=0, stream=True):
-        times.append(time.perf_counter())
-        sys.stdout.write(chunk["choices"][0]["text"])
-        sys.stdout.flush()
-    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
-    print(f"[{len(times) - 1} decode tokens at {rate:.1f} tok/s]", file=sys.stderr)
-
-
-if __name__ == "__main__":  # the llama.cpp contender's own process (`llama_command`)
-    llama_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])

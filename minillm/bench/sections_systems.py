@@ -252,6 +252,14 @@ def cli_section(title: str, data: dict, links: dict) -> str:
         if "same_text_as_eager" in row:
             same = "the same text as" if row["same_text_as_eager"] else "text differing from"
             notes.append(md.bullet(f"{name}: {same} its eager run."))
+    if "torch_import_seconds" in data:  # runs since the suite timed torch's import beside the contenders
+        floor = data["torch_import_seconds"]
+        beyond = ", ".join(f"{name.removeprefix('minillm ')} {row['first_text_seconds'] - floor:.2f} s"
+                           for name, row in rows.items() if name.startswith("minillm") and name.endswith("compiled"))
+        notes.append(md.bullet(f"A process that only imports torch took {floor:.2f} s "
+                               f"({md.span(data['torch_import_seconds_per_repeat'])} s) in the same rounds: the "
+                               f"floor under every minillm start. The first text came that much later in the compiled "
+                               f"runs: {beyond}. llama.cpp's processes import no torch."))
     long, llama_long = rows.get("minillm long-prompt compiled"), rows.get("llama.cpp long-prompt F32")
     if long and llama_long:
         notes.append(md.bullet(f"The long prompt (the batch suite's paragraph three times, about 800 tokens): start "

@@ -1,0 +1,30 @@
+"""The `cli` suite's llama.cpp contender: one process that loads a GGUF and streams greedy tokens, importing no torch.
+
+Run by path (`python minillm/bench/llama_child.py GGUF N PROMPT THREADS`), not as
+`python -m minillm.bench...`: importing the package imports torch, about a second and a
+half the C++ engine's users never pay, which would be charged to llama.cpp's start.
+So this file imports nothing from minillm, and nothing but llama-cpp-python.
+"""
+
+import sys
+import time
+
+
+def main(gguf: str, new_tokens: int, prompt: str, threads: int) -> None:
+    """Stream `new_tokens` greedy tokens after `prompt` to stdout; report the decode rate on stderr in the line
+    `python -m minillm.infer --stats` prints (`[N decode tokens at R tok/s]`), which the suite parses for both."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False,
+                use_extra_bufts=False)
+    times = []
+    for chunk in llm.create_completion(prompt, max_tokens=new_tokens, temperature=0, stream=True):
+        times.append(time.perf_counter())
+        sys.stdout.write(chunk["choices"][0]["text"])
+        sys.stdout.flush()
+    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+    print(f"[{len(times) - 1} decode tokens at {rate:.1f} tok/s]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
