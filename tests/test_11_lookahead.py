@@ -10,7 +10,7 @@ from test_08_speculative_decoding import OracleDrafter
 from minillm.decoding.sampling import SamplingConfig
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession, Tree
-from minillm.strategies.drafters import FREE_DRAFT, Draft, PromptLookup, latest_earlier_occurrence
+from minillm.strategies.drafters import Draft, PromptLookup, latest_earlier_occurrence
 from minillm.strategies.generate import generate
 from minillm.strategies.lookahead import CopyPointer, DraftTree, Lookahead, context_first, share_draft
 from minillm.strategies.ngram_trie import NGramTrie, likeliest_paths
