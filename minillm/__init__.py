@@ -9,6 +9,7 @@ the absence of cycles and of private cross-module imports):
     strategies/   decoding loops: generate, speculative, lookahead, beam, streaming (02, 03, 07-11)
     runtime/      a request's life: the decode session, batching, the scheduler, the engine (06, 07, 12)
     decoding/     choosing tokens and stopping: settings, logits processors, stop strings, text (02-04, 09)
+    parallel/     tensor parallelism: one rank's shard of a model, the process group (20)
     speed/        precision, quantization, MX, attention kernels, compilation, ONNX export (05, 14-16)
     cache/        KV caches: contiguous (06) and paged, with prefix caching (12)
     model/        the transformer, its families, tokenizers and weights (01, 17)

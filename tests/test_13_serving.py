@@ -471,7 +471,7 @@ def test_serve_command_line_errors_are_one_line(capsys):
 
 def start_serve_command() -> tuple[subprocess.Popen, int]:
     """`python -m minillm.serve --eager` on a free port, and the port, once it answers (output piped for checks)."""
-    from minillm.bench.server import free_port
+    from minillm.base.ports import free_port
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "minillm.serve", "--eager", "--port", str(port)],

@@ -36,6 +36,7 @@ LAYERS = {
     "model": {"model"},
     "cache": {"cache"},
     "speed": {"speed"},
+    "parallel": {"parallel"},
     "decoding": {"decoding"},
     "runtime": {"runtime"},
     "strategies": {"strategies"},

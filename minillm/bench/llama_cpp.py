@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from ..base.files import minillm_home, remove, temporary_path
-from .server import ServerProcess, free_port
+from ..base.ports import free_port
+from .server import ServerProcess
 
 FILE_TYPES = {"F32": 0, "Q8_0": 7}  # general.file_type: llama.cpp's LLAMA_FTYPE_ALL_F32, _MOSTLY_Q8_0
 # What llama-cpp-python's [server] extra adds, at versions that run beside requirements.txt's fastapi and uvicorn

@@ -27,7 +27,6 @@ import asyncio
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import time
 import httpx
 from tqdm.auto import tqdm
 
+from ..base.ports import free_port
 from ..serving.loadtest import chat_workload, run_load, stream_chat, summarize
 from .common import REPO, finish_figure, plot_title
 
@@ -48,12 +48,6 @@ MALFORMED = (  # (body, expected status): each a request a careless client might
     ({"messages": [{"role": "user", "content": "hi " * 6000}]}, 400),  # over the context
     ({"messages": [{"role": "user", "content": "x" * (2 * 2**20)}]}, 413),  # over the body limit
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(extra: dict | None = None) -> dict:

@@ -1,0 +1,98 @@
+"""Lesson 20: tensor parallelism. A model split over processes (gloo on the CPU) computes what one process computes.
+
+The reference is the same model in one process: every rank's logits against its logits (the
+all-reduce adds partial sums in another order, so within a float32 rounding bound, not bit for
+bit), greedy tokens through `generate` equal token for token, and each rank holding only its
+share of the weights and of the KV cache. The split's arithmetic (which heads, hidden units and
+vocabulary rows a rank holds) is checked against its definition by brute force.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.model.config import ModelConfig
+from minillm.model.tiny import from_hf_model, tiny_hf_model
+from minillm.model.transformer import Transformer, init_weights
+from minillm.parallel.launch import spawn_ranks
+from minillm.parallel.shard import Split, check_split, shard_model, split_for
+from minillm.strategies.generate import generate
+
+PROMPT = [5, 17, 3, 42, 8, 61, 29, 11, 7]
+NEW_TOKENS = 12
+# float32: a sum split over ranks rounds differently from one matmul; the logits here are O(1-10)
+LOGIT_BOUND = 1e-4
+
+
+def six_heads_three_kv() -> Transformer:
+    """A Llama-shaped model whose heads split over three ranks as the default model's 9/3 do (tiny: 6/3)."""
+    config = ModelConfig(vocab_size=100, context_length=64, n_layer=2, n_head=6, n_kv_head=3, d_model=48,
+                         d_ff=96, norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, qkv_bias=False)
+    return init_weights(Transformer(config), std=0.2, seed=3).eval()
+
+
+def build(kind: str) -> Transformer:
+    return six_heads_three_kv() if kind == "6/3 heads" else from_hf_model(tiny_hf_model(kind))
+
+
+def whole_model_run(model) -> tuple[torch.Tensor, list[int]]:
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])
+    tokens = generate(model, [PROMPT], max_new_tokens=NEW_TOKENS, eos_token_id=(), cache="static").rows[0].token_ids
+    return logits, tokens
+
+
+def rank_run(group, whole: Transformer, out: str) -> None:
+    """What each rank does: keep its shard of the whole model (handed over by the parent), run the prompt and a
+    greedy generation."""
+    model = shard_model(whole, group.rank, group.world)
+    logits, tokens = whole_model_run(model)
+    cache_heads = model.config.kv_heads
+    torch.save({"logits": logits, "tokens": tokens, "cache_heads": cache_heads,
+                "parameters": sum(p.numel() for p in model.parameters())}, f"{out}/rank{group.rank}.pt")
+
+
+@pytest.mark.parametrize("kind, world", [("llama", 2), ("gpt2", 2), ("gemma3", 4), ("6/3 heads", 3)])
+def test_sharded_ranks_compute_what_one_process_does(kind, world, tmp_path):
+    whole = build(kind)
+    logits, tokens = whole_model_run(whole)
+    spawn_ranks(world, rank_run, whole, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    split = split_for(whole.config, 0, world)
+    for r, got in enumerate(ranks):
+        difference = (got["logits"] - logits).abs().max().item()
+        assert difference <= LOGIT_BOUND, f"rank {r}: logits differ by {difference:.1e}"
+        assert got["tokens"] == tokens, f"rank {r}: greedy tokens differ from one process's"
+        assert torch.equal(got["logits"], ranks[0]["logits"]), "every rank ends a step with the same logits"
+        assert got["cache_heads"] == len(split.key_value_heads())  # its own key/value heads, or the one it repeats
+        assert got["parameters"] < sum(p.numel() for p in whole.parameters()) / world * 1.5
+
+
+def test_the_split_holds_each_head_unit_and_row_once():
+    """Brute force: over the ranks, every query head, hidden unit and vocabulary row is held exactly once; each
+    rank's key/value heads are the ones its query heads read (query head h reads h // (H / KV))."""
+    for H, KV, hidden, vocab, world in [(9, 3, 1536, 49152, 3), (4, 1, 2048, 262144, 2), (4, 2, 64, 96, 4),
+                                        (6, 3, 96, 100, 3), (4, 4, 128, 97, 2)]:
+        splits = [Split(r, world, H, KV, hidden, vocab) for r in range(world)]
+        for held, size in (("query_heads", H), ("hidden_units", hidden), ("vocab_rows", vocab)):
+            every = [i for s in splits for i in getattr(s, held)()]
+            assert sorted(every) == list(range(size)), f"{held} over {world} ranks of {H}/{KV} heads"
+        for s in splits:
+            assert {h // (H // KV) for h in s.query_heads()} == set(s.key_value_heads())
+            assert s.replicated_kv == (KV < world)
+
+
+def test_a_split_the_shapes_do_not_allow_is_refused_in_one_line():
+    default = ModelConfig(n_head=9, n_kv_head=3, d_model=576, d_ff=1536)
+    with pytest.raises(ValueError, match=r"^--tp 2 does not divide the model's 9 attention heads: use a divisor of 9 "
+                                         r"\(1, 3, 9\)$"):
+        check_split(default, 2)
+    check_split(default, 3)
+    with pytest.raises(ValueError, match=r"^--tp 3: the model's 2 key/value heads neither split evenly over 3 ranks "
+                                         r"nor repeat evenly on them: use a divisor or a multiple of 2 that divides 6$"):
+        check_split(ModelConfig(n_head=6, n_kv_head=2, d_model=48, d_ff=96), 3)
+    check_split(ModelConfig(n_head=12, n_kv_head=3, d_model=576, d_ff=1536), 6)  # each rank repeats one KV head
+    check_split(ModelConfig(n_head=4, n_kv_head=1, d_model=640, head_dim=256, d_ff=2048), 2)  # Gemma 3 270M: repeat
+    with pytest.raises(ValueError, match=r"MLP's 100 hidden units"):
+        check_split(ModelConfig(n_head=8, d_model=64, d_ff=100), 8)
