@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "matrix, memory grows with the square of the length) or 'flash' (tiled, online softmax); "
                         "same tokens; naive and flash run eager PyTorch (a compiled graph writes its own attention)")
     add_quant_flag(p)
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism (lesson 20): split the model over N processes that compute each step "
+                        "together through torch.distributed (gloo on the CPU), each holding its share of the heads, "
+                        "MLP units, vocabulary and KV cache; this process starts the other N-1 (or run it under "
+                        "`torchrun --nproc-per-node N`); eager path, float weights; same tokens as one process")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when the model has one)")
@@ -266,6 +271,10 @@ def check_flag_combinations(args) -> None:
     if args.slide and (args.speculative or args.num_beams > 1):
         raise ValueError("--slide applies to plain generation: speculative decoding and beam search never slide the "
                          "window; drop --slide, or --speculative / --num-beams")
+    if args.tp != 1 and (args.compile or args.quant != "none"):
+        flag = "--compile" if args.compile else f"--quant {args.quant}"
+        raise ValueError(f"{flag} with --tp: the compiled graphs and quantized linears are built for one process; "
+                         f"a sharded run decodes eagerly in float: drop {flag.split()[0]} or --tp")
     if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 
@@ -292,11 +301,6 @@ def prompt_text(tokenizer, prompt: str, chat: bool | None, system: str | None) -
 
 
 def run(args) -> int:
-    from .model.attention import set_attention_backend
-    from .speed.attention_kernels import make_backend
-    from .speed.load import load_model
-    from .strategies.generate import generate_in_batches
-
     if sys.stdout is None or sys.stdout.closed:
         raise ValueError("standard output is closed: redirect it to a file or a pipe")
     prompts = ([command_line_text(prompt, "--prompt") for prompt in args.prompt]
@@ -314,10 +318,36 @@ def run(args) -> int:
     check_constraint(args, config)
     beam = beam_options(args, config)
     check_flag_combinations(args)
+    if args.tp == 1:
+        return generate_and_print(args, prompts, config, beam)
+    from .parallel.command import command_group, failed_rank, leave
+
+    group, workers = command_group(args.tp, args.device)
+    try:
+        return generate_and_print(args, prompts, config, beam, group)
+    except RuntimeError as error:  # a collective failed: name the rank that died, where one did
+        raise failed_rank(workers, error) from None
+    finally:
+        leave()
+
+
+def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: dict | None, group=None) -> int:
+    """Load the model (with `group`: this rank's shard of it), generate for every prompt and print what the flags
+    ask for (rank 0 alone prints)."""
+    from .model.attention import set_attention_backend
+    from .speed.attention_kernels import make_backend
+    from .speed.load import load_model
+    from .strategies.generate import generate_in_batches
+
     # The copy into huge pages is left to the runner: a run decoding through kept graphs that hold their own
-    # copies of the weights skips it (a second or so of start-up on the course's VM).
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=not args.plain,
-                                  quant=args.quant, defer_huge_pages=True)
+    # copies of the weights skips it (a second or so of start-up on the course's VM). A rank loads the whole
+    # model plain and keeps its shard, which then gets the fast paths.
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                  fast=not args.plain and group is None, quant=args.quant, defer_huge_pages=True)
+    if group is not None:
+        from .parallel.command import shard_loaded
+
+        shard_loaded(model, group, fast=not args.plain)
     set_attention_backend(model, make_backend(args.attention))
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
@@ -327,7 +357,7 @@ def run(args) -> int:
         check_rows_fit_context(rows, args, model.config.context_length)
     stream = not args.json and len(rows) == 1 and beam is None
     # None: the kept graphs if built (and the default attention: another kernel runs only eagerly)
-    compile = True if args.compile else False if args.eager else None
+    compile = True if args.compile else False if args.eager or group is not None else None
     if beam is not None:  # every prompt in one search; beams do not stream (they change until the end)
         from .strategies.beam import beam_search
 
@@ -365,12 +395,14 @@ def run(args) -> int:
         elif not stream:
             label = f" (beam {i % per_prompt + 1}, score {score['score']:.3f})" if beam else ""
             print(f"### {prompt}{label}\n{row.text}\n")
-    if args.stats:
+    if args.stats and (group is None or group.leader):
         s = out.stats
         graph = s.extra.get("graph", "eager")
         built = f" (loaded or built in {s.build_seconds:.1f} s)" if graph == "compiled" else ""
         if graph == "compiled" and model.device.type == "cuda":
             built = f", captured as a CUDA graph (compiled and captured in {s.build_seconds:.1f} s)"
+        if group is not None:
+            built = f", split over {group.world} processes ({group.backend})"
         print(f"[path: {graph}{built}, {args.cache} cache, {args.attention} "
               f"attention, {'plain model' if args.plain else 'fast paths'}, quantization {args.quant}, "
               f"{args.dtype} on {args.device}]", file=sys.stderr)

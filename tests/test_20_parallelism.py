@@ -9,6 +9,13 @@ vocabulary rows a rank holds) is checked against its definition by brute force.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +30,7 @@ PROMPT = [5, 17, 3, 42, 8, 61, 29, 11, 7]
 NEW_TOKENS = 12
 # float32: a sum split over ranks rounds differently from one matmul; the logits here are O(1-10)
 LOGIT_BOUND = 1e-4
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def six_heads_three_kv() -> Transformer:
@@ -89,10 +97,67 @@ def test_a_split_the_shapes_do_not_allow_is_refused_in_one_line():
                                          r"\(1, 3, 9\)$"):
         check_split(default, 2)
     check_split(default, 3)
-    with pytest.raises(ValueError, match=r"^--tp 3: the model's 2 key/value heads neither split evenly over 3 ranks "
-                                         r"nor repeat evenly on them: use a divisor or a multiple of 2 that divides 6$"):
+    with pytest.raises(ValueError, match=r"^--tp 3: the model's 2 key/value heads neither split evenly over 3 ranks nor "
+                                         r"repeat evenly on them: use a divisor or a multiple of 2 that divides 6$"):
         check_split(ModelConfig(n_head=6, n_kv_head=2, d_model=48, d_ff=96), 3)
     check_split(ModelConfig(n_head=12, n_kv_head=3, d_model=576, d_ff=1536), 6)  # each rank repeats one KV head
     check_split(ModelConfig(n_head=4, n_kv_head=1, d_model=640, head_dim=256, d_ff=2048), 2)  # Gemma 3 270M: repeat
     with pytest.raises(ValueError, match=r"MLP's 100 hidden units"):
         check_split(ModelConfig(n_head=8, d_model=64, d_ff=100), 8)
+
+
+# ------------------------------------------------------------------ the command line, on the real models
+
+
+def cli(*flags: str, launcher: tuple = (), timeout: int = 300) -> subprocess.CompletedProcess:
+    command = [*launcher, *([] if launcher else [sys.executable]), "-m", "minillm.infer", "--no-chat", "--greedy",
+               "--json", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def token_ids(run: subprocess.CompletedProcess) -> list[int]:
+    assert run.returncode == 0, run.stderr[-500:]
+    return json.loads(run.stdout)["token_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.parametrize("model, world", [("default", 3), ("gemma3-270m", 2)])
+def test_cli_split_over_ranks_prints_one_process_tokens(model, world):
+    """The default model's 9 heads and 3 key/value heads over 3 ranks; Gemma 3 270M's 4 heads over 2, its one
+    key/value head repeated on both: greedy tokens equal one process's on a held-out prompt, printed once."""
+    flags = ("--model", model, "--prompt", "The lighthouse keeper climbed the stairs and", "--max-new-tokens", "24")
+    alone = token_ids(cli(*flags))
+    split = cli(*flags, "--tp", str(world), "--stats")
+    assert token_ids(split) == alone
+    assert f"split over {world} processes (gloo)" in split.stderr
+    assert split.stdout.count("token_ids") == 1  # rank 0 prints; the others compute in silence
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_cli_under_torchrun_prints_one_process_tokens():
+    flags = ("--prompt", "Three things every gardener knows:", "--max-new-tokens", "16")
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3")
+    assert token_ids(cli(*flags, "--tp", "3", launcher=torchrun)) == token_ids(cli(*flags))
+    wrong = cli(*flags, "--tp", "2", launcher=(*torchrun[:-1], "2"))
+    assert "--tp 2 does not divide the model's 9 attention heads" in wrong.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_a_split_the_model_does_not_allow_and_a_rank_that_dies_are_one_line():
+    refused = cli("--prompt", "Hi", "--tp", "2")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "minillm: error: --tp 2 does not divide the model's 9 attention heads: use a divisor of 9 (1, 3, 9)"]
+    run = subprocess.Popen([sys.executable, "-m", "minillm.infer", "--no-chat", "--prompt", "Once upon a time",
+                            "--max-new-tokens", "2000", "--slide", "--tp", "3"], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.stdout.read(20)  # rank 0 streams: every rank is in the loop
+    worker = int(Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()[-1])
+    os.kill(worker, signal.SIGKILL)
+    run.wait(timeout=60)
+    lines = run.stderr.read().strip().splitlines()
+    assert run.returncode == 2 and lines[-1] == "minillm: error: rank 2 exited (status -9): no message", lines[-3:]
+    assert not Path(f"/proc/{run.pid}/task/{run.pid}/children").exists()

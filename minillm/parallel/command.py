@@ -1,0 +1,126 @@
+"""A command run split over `--tp N` processes: started by torchrun, or starting its own other ranks.
+
+Every rank runs the same command on the same input (SPMD, as gpt-fast runs its `--nproc_per_node`
+ranks): each loads the model and keeps its shard, and since every rank ends each step holding
+the same logits, all of them choose the same tokens with no word between them; only rank 0
+prints. Two ways in:
+
+    torchrun --nproc-per-node 3 -m minillm.infer --tp 3 --prompt ...   torchrun starts the ranks
+    python -m minillm.infer --tp 3 --prompt ...                         this process is rank 0 and
+                                                                        starts ranks 1 .. N-1 itself
+
+The second is torchrun's job done in a few lines: the same command again with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment, its output discarded (its errors
+kept in a file). If a rank dies, the collective the others are in fails (gloo sees the closed
+connection), and rank 0 names the rank and its error in one line; when rank 0 ends, for any
+reason, it stops the ranks it started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from ..base.ports import free_port
+from .group import Group, join, launched_world, leave
+from .shard import shard_model
+
+
+class Workers:
+    """The ranks 1 .. world-1 this process started, each a copy of its own command."""
+
+    def __init__(self, world: int, argv: list[str]):
+        port = free_port()
+        self.logs = [tempfile.TemporaryFile() for _ in range(1, world)]
+        base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        self.processes = [subprocess.Popen([sys.executable, *argv], env={**base, "RANK": str(rank),
+                                                                          "LOCAL_RANK": str(rank)},
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+                          for rank, log in enumerate(self.logs, start=1)]
+        os.environ.update(base, RANK="0", LOCAL_RANK="0")
+        atexit.register(self.stop)
+
+    def failure(self) -> str | None:
+        """'rank R exited (status S): its last line', for the first rank that has ended with an error."""
+        for rank, (process, log) in enumerate(zip(self.processes, self.logs), start=1):
+            if process.poll() not in (None, 0):
+                log.seek(0)
+                lines = log.read().decode(errors="replace").strip().splitlines()
+                return f"rank {rank} exited (status {process.returncode}): {lines[-1] if lines else 'no message'}"
+        return None
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def check_ranks(world: int, device: str) -> None:
+    if world < 1:
+        raise ValueError(f"--tp {world}: give 1 or more processes")
+    if device.startswith("cuda") and world > torch.cuda.device_count():
+        raise ValueError(f"--tp {world} needs {world} GPUs, one per rank; this machine has "
+                         f"{torch.cuda.device_count()}")
+    given = launched_world()
+    if given is not None and given != world:
+        raise ValueError(f"--tp {world}, but the launcher started {given} processes: give torchrun "
+                         f"--nproc-per-node {world}, or drop torchrun and let --tp start them")
+
+
+def command_group(world: int, device: str) -> tuple[Group, Workers | None]:
+    """Join the group of a command run with `--tp world`: torchrun's, or one whose other ranks this process starts
+    now (then it is rank 0). Each CPU rank computes with its share of the cores (at least one thread)."""
+    check_ranks(world, device)
+    workers = None if launched_world() else Workers(world, ["-m", main_module(), *sys.argv[1:]])
+    group = join(device)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(group.rank)
+    if not group.leader:
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints; the others compute the same tokens in silence
+    return group, workers
+
+
+def main_module() -> str:
+    """The `-m` module this process runs (`python -m minillm.infer` -> 'minillm.infer')."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is None:
+        raise ValueError("--tp starts its ranks as `python -m MODULE`: run the command that way, or under torchrun")
+    return spec.name
+
+
+def shard_loaded(model, group: Group, fast: bool):
+    """Keep `group.rank`'s shard of a model loaded whole without fast paths, then give the shard the CPU's fast
+    paths (oneDNN linears, huge pages) as `load_model` gives a whole model."""
+    from ..speed.huge_pages import model_into_huge_pages
+    from ..speed.onednn import use_onednn
+
+    shard_model(model, group.rank, group.world)
+    if fast and model.device.type == "cpu":
+        if model.dtype == torch.float32:
+            use_onednn(model)
+        model_into_huge_pages(model)
+    return model
+
+
+def failed_rank(workers: Workers | None, error: BaseException) -> BaseException:
+    """What rank 0 reports when a collective failed: the rank that died and its own error, where one did."""
+    if workers is None:
+        return error
+    deadline = time.monotonic() + 3  # the peer's socket closed as it died: give its exit a moment to be seen
+    while (reason := workers.failure()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return RuntimeError(reason) if reason else error
+
+
+__all__ = ["Workers", "command_group", "failed_rank", "leave", "shard_loaded"]
