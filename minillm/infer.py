@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "(`python -m minillm.compile`, or --compile, builds it once; --eager turns it off), and "
                       "otherwise runs eager PyTorch (oneDNN matmuls on the CPU; --plain: the from-scratch model "
                       "alone). --speculative decodes through the same graph and verifies drafts through the verify "
-                      "graph the same command builds (eagerly where none is built). --stats prints which path ran.",
+                      "graph the same command builds (eagerly where none is built). --tp N splits the model over N "
+                      "processes that decode eagerly together (sharded). --stats prints which path ran.",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="the prompt; repeat the flag for several prompts (generated in batches)")
