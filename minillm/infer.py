@@ -322,23 +322,28 @@ def run(args) -> int:
     if args.tp == 1:
         return generate_and_print(args, prompts, config, beam)
     from .parallel.command import command_group, failed_rank, leave
+    from .parallel.follow import follow, stop_followers
+    from .runtime.runner import ModelRunner
 
     group, workers = command_group(args.tp, args.device)
     try:
-        return generate_and_print(args, prompts, config, beam, group)
+        if not group.leader:  # rank 0 generates; this rank makes the same calls on its shard, as it is told
+            follow(load_for_run(args, group)[0], ModelRunner)
+            return 0
+        status = generate_and_print(args, prompts, config, beam, group)
+        stop_followers()
+        return status
     except RuntimeError as error:  # a collective failed: name the rank that died, where one did
         raise failed_rank(workers, error) from None
     finally:
         leave()
 
 
-def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: dict | None, group=None) -> int:
-    """Load the model (with `group`: this rank's shard of it), generate for every prompt and print what the flags
-    ask for (rank 0 alone prints)."""
+def load_for_run(args, group=None):
+    """(model, tokenizer) as the flags ask; with `group`, this rank's shard of the model."""
     from .model.attention import set_attention_backend
     from .speed.attention_kernels import make_backend
     from .speed.load import load_model
-    from .strategies.generate import generate_in_batches
 
     # The copy into huge pages is left to the runner: a run decoding through kept graphs that hold their own
     # copies of the weights skips it (a second or so of start-up on the course's VM). A rank loads the whole
@@ -350,6 +355,15 @@ def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: d
 
         shard_loaded(model, group, fast=not args.plain)
     set_attention_backend(model, make_backend(args.attention))
+    return model, tokenizer
+
+
+def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: dict | None, group=None) -> int:
+    """Load the model (with `group`, rank 0's shard of it: the other ranks follow its runners), generate for every
+    prompt and print what the flags ask for."""
+    from .strategies.generate import generate_in_batches
+
+    model, tokenizer = load_for_run(args, group)
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} ships no tokenizer (tokenizer.json); add one to the folder")
     # Encoded once here: the context check reads the ids, and every strategy takes them as they are
@@ -396,7 +410,7 @@ def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: d
         elif not stream:
             label = f" (beam {i % per_prompt + 1}, score {score['score']:.3f})" if beam else ""
             print(f"### {prompt}{label}\n{row.text}\n")
-    if args.stats and (group is None or group.leader):
+    if args.stats:
         s = out.stats
         graph = s.extra.get("graph", "eager")
         built = f" (loaded or built in {s.build_seconds:.1f} s)" if graph == "compiled" else ""

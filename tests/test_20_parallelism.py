@@ -22,8 +22,10 @@ import torch
 from minillm.model.config import ModelConfig
 from minillm.model.tiny import from_hf_model, tiny_hf_model
 from minillm.model.transformer import Transformer, init_weights
+from minillm.parallel.follow import follow, stop_followers
 from minillm.parallel.launch import spawn_ranks
 from minillm.parallel.shard import Split, check_split, shard_model, split_for
+from minillm.runtime.runner import ModelRunner
 from minillm.strategies.generate import generate
 
 PROMPT = [5, 17, 3, 42, 8, 61, 29, 11, 7]
@@ -44,34 +46,43 @@ def build(kind: str) -> Transformer:
     return six_heads_three_kv() if kind == "6/3 heads" else from_hf_model(tiny_hf_model(kind))
 
 
-def whole_model_run(model) -> tuple[torch.Tensor, list[int]]:
+def prompt_logits(model) -> torch.Tensor:
     with torch.inference_mode():
-        logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])
-    tokens = generate(model, [PROMPT], max_new_tokens=NEW_TOKENS, eos_token_id=(), cache="static").rows[0].token_ids
-    return logits, tokens
+        return model(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])
+
+
+def greedy_tokens(model) -> list[int]:
+    return generate(model, [PROMPT], max_new_tokens=NEW_TOKENS, eos_token_id=(), cache="static").rows[0].token_ids
 
 
 def rank_run(group, whole: Transformer, out: str) -> None:
-    """What each rank does: keep its shard of the whole model (handed over by the parent), run the prompt and a
-    greedy generation."""
+    """What each rank does: keep its shard of the whole model (handed over by the parent) and run the prompt's
+    forward, every rank calling it; then rank 0 generates greedily while the others follow its runner."""
     model = shard_model(whole, group.rank, group.world)
-    logits, tokens = whole_model_run(model)
-    cache_heads = model.config.kv_heads
-    torch.save({"logits": logits, "tokens": tokens, "cache_heads": cache_heads,
+    logits, tokens, calls = prompt_logits(model), None, None
+    if group.leader:
+        tokens = greedy_tokens(model)
+        stop_followers()
+    else:
+        calls = follow(model, ModelRunner)
+    torch.save({"logits": logits, "tokens": tokens, "calls": calls, "cache_heads": model.config.kv_heads,
                 "parameters": sum(p.numel() for p in model.parameters())}, f"{out}/rank{group.rank}.pt")
 
 
 @pytest.mark.parametrize("kind, world", [("llama", 2), ("gpt2", 2), ("gemma3", 4), ("6/3 heads", 3)])
 def test_sharded_ranks_compute_what_one_process_does(kind, world, tmp_path):
     whole = build(kind)
-    logits, tokens = whole_model_run(whole)
-    spawn_ranks(world, rank_run, whole, str(tmp_path))
+    logits, tokens = prompt_logits(whole), greedy_tokens(whole)
+    spawn_ranks(world, rank_run, whole, str(tmp_path), timeout=60)  # a rank left waiting fails the test
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     split = split_for(whole.config, 0, world)
     for r, got in enumerate(ranks):
         difference = (got["logits"] - logits).abs().max().item()
         assert difference <= LOGIT_BOUND, f"rank {r}: logits differ by {difference:.1e}"
-        assert got["tokens"] == tokens, f"rank {r}: greedy tokens differ from one process's"
+        if r == 0:
+            assert got["tokens"] == tokens, "greedy tokens differ from one process's"
+        else:  # the prefill and each decode step but the last (its token ends the run without a forward)
+            assert got["calls"] == NEW_TOKENS, f"rank {r} followed {got['calls']} calls"
         assert torch.equal(got["logits"], ranks[0]["logits"]), "every rank ends a step with the same logits"
         assert got["cache_heads"] == len(split.key_value_heads())  # its own key/value heads, or the one it repeats
         assert got["parameters"] < sum(p.numel() for p in whole.parameters()) / world * 1.5

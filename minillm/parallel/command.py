@@ -1,9 +1,8 @@
 """A command run split over `--tp N` processes: started by torchrun, or starting its own other ranks.
 
-Every rank runs the same command on the same input (SPMD, as gpt-fast runs its `--nproc_per_node`
-ranks): each loads the model and keeps its shard, and since every rank ends each step holding
-the same logits, all of them choose the same tokens with no word between them; only rank 0
-prints. Two ways in:
+Every rank loads the model and keeps its shard; rank 0 then runs the command (prompts,
+strategy, sampling, printing) and the others follow its runner step by step
+(`minillm.parallel.follow`): each all-reduce and all-gather meets all of them. Two ways in:
 
     torchrun --nproc-per-node 3 -m minillm.infer --tp 3 --prompt ...   torchrun starts the ranks
     python -m minillm.infer --tp 3 --prompt ...                         this process is rank 0 and
@@ -86,8 +85,6 @@ def command_group(world: int, device: str) -> tuple[Group, Workers | None]:
     group = join(device)
     if device.startswith("cuda"):
         torch.cuda.set_device(group.rank)
-    if not group.leader:
-        sys.stdout = open(os.devnull, "w")  # rank 0 prints; the others compute the same tokens in silence
     return group, workers
 
 

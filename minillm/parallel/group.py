@@ -9,6 +9,7 @@ environment: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun sets the
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -36,13 +37,15 @@ def launched_world() -> int | None:
     return int(value) if value else None
 
 
-def join(device: str = "cpu", threads: int | None = None) -> Group:
+def join(device: str = "cpu", threads: int | None = None, timeout: float = 600) -> Group:
     """Join the group the launcher described in the environment (idempotent), and compute with this rank's share of
     the cores: ranks on one machine split its cores, as llama.cpp's and vLLM's CPU workers do, so that `world`
-    processes do not each start one thread per core and fight over them."""
+    processes do not each start one thread per core and fight over them. A collective that waits `timeout` seconds
+    for a rank fails rather than waiting forever (torch's default: 30 minutes)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=datetime.timedelta(seconds=timeout))
     group = Group(dist.get_rank(), dist.get_world_size(), dist.get_backend())
     if device == "cpu":
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // group.world))

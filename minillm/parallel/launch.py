@@ -17,20 +17,22 @@ from ..base.ports import free_port
 from .group import join, leave
 
 
-def rank_entry(rank: int, world: int, port: int, device: str, threads: int | None, target, args: tuple) -> None:
+def rank_entry(rank: int, world: int, port: int, device: str, threads: int | None, timeout: float, target,
+               args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    group = join(device, threads)
+    group = join(device, threads, timeout)
     try:
         target(group, *args)
     finally:
         leave()
 
 
-def spawn_ranks(world: int, target, *args, device: str = "cpu", threads: int | None = None) -> None:
+def spawn_ranks(world: int, target, *args, device: str = "cpu", threads: int | None = None,
+                timeout: float = 600) -> None:
     """Run `target(group, *args)` on ranks 0 .. world-1 and wait for all of them (`target` must be importable by
-    name: a module-level function)."""
-    mp.spawn(rank_entry, args=(world, free_port(), device, threads, target, args), nprocs=world, join=True)
+    name: a module-level function). A collective left waiting `timeout` seconds fails, and with it the run."""
+    mp.spawn(rank_entry, args=(world, free_port(), device, threads, timeout, target, args), nprocs=world, join=True)
 
 
 __all__ = ["spawn_ranks"]

@@ -51,6 +51,7 @@ import torch
 
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..model.attention import uses_default_attention
+from ..parallel.follow import Announced, announce, announce_runner, leads
 from ..speed.compile import compile_model
 from ..speed.huge_pages import place_deferred, placement_deferred
 from ..speed.onednn import use_plain_linear
@@ -60,6 +61,9 @@ from .sequence import Sequence
 from .session import DecodeSession, Tree
 
 CACHES = ("static", "dynamic", "none", "paged")
+# What the runner asks of its decode session that changes the cache: on rank 0 of a sharded model, each is sent
+# to the other ranks first (`minillm.parallel.follow`), whose sessions then hold the same positions of their heads.
+SESSION_CALLS = frozenset({"prefill", "extend", "rollback", "keep_positions", "select"})
 GRAPHS = ("eager", "compiled", "auto", "onnx")
 
 
@@ -88,6 +92,15 @@ class ModelRunner:
             raise ValueError(f"cache={cache!r} is invalid: use one of {', '.join(CACHES)}")
         if graph not in GRAPHS:
             raise ValueError(f"graph={graph!r} is invalid: use one of {', '.join(GRAPHS)}")
+        if getattr(model, "split", None) is not None:  # one rank's shard (lesson 20): eager, its steps announced
+            if graph in ("compiled", "onnx"):
+                raise ValueError("a sharded model (--tp) runs eagerly: the compiled graphs are built for one process, "
+                                 "without the all-reduces between ranks; drop --compile")
+            graph = "eager"
+        self.leads = leads(model)  # rank 0 of a sharded model: tells the other ranks each step before it runs it
+        if self.leads:
+            announce_runner(dict(cache=cache, max_len=max_len, max_batch=max_batch, num_blocks=num_blocks,
+                                 block_size=block_size, verify_tokens=verify_tokens))
         exported = isinstance(model, OnnxModel)
         shapes = [StepShape.decode(model.config, max_batch, max_len)]  # the compiled graphs the run needs
         if verify_tokens and verify_tokens > 1:
@@ -154,6 +167,8 @@ class ModelRunner:
             self.build_seconds = compiled.prepare(shapes, self.session)
         else:
             self.session = DecodeSession(model, cache, max_len, max_batch)
+        if self.leads:
+            self.session = Announced(self.session, "session", SESSION_CALLS)
 
     def graph_stats(self) -> dict:
         """What a run's stats say about its path: the graph that ran, why a kept graph was not loaded when one is
@@ -230,6 +245,8 @@ class ModelRunner:
     def step(self, packed: PackedSequences, tokens: torch.Tensor, logits_at: torch.Tensor) -> torch.Tensor:
         """One packed forward over the paged pool: tokens long [N] of several sequences back to back
         (`packed` says whose and where); logits [K, V] at the row entries `logits_at` [K]."""
+        if self.leads:
+            announce(("runner", "step", (packed, tokens, logits_at), {}))
         if self.decode_step is not None and len(packed.decode_queries) == packed.num_tokens:
             # Every sequence feeds one token (row entry i is sequence i's): the compiled step, logits [D, 1, V].
             logits = self.decode_step(tokens[:, None], packed.positions[:, None], packed.slots,
