@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "two cores, once; `python -m minillm.compile --serve` builds it ahead); CPU only. Without this "
                     "flag the compiled graph runs when it is already built, else eager PyTorch; steps that prefill "
                     "prompts always run eagerly; the path is printed at start")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism (lesson 20): split the model over N processes; this one serves HTTP, "
+                        "schedules and samples, and sends each step to the others (started here, or by `torchrun "
+                        "--nproc-per-node N`), which compute it on their shards; eager path, float weights")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the name clients put in the request's 'model' field (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1",
@@ -83,6 +87,10 @@ def check_args(args) -> None:
     model loads."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is invalid: must be in 0..65535")
+    if args.tp != 1 and (args.compile or args.quant != "none"):
+        flag = "--compile" if args.compile else f"--quant {args.quant}"
+        raise ValueError(f"{flag} with --tp: the compiled step and quantized linears are built for one process; a "
+                         f"sharded server steps eagerly in float: drop {flag.split()[0]} or --tp")
     if args.compile and args.device != "cpu":
         raise ValueError("--compile builds the engine's step for the CPU only so far: on a GPU serve eagerly (drop "
                          "--compile)")
@@ -93,23 +101,53 @@ def check_args(args) -> None:
 
 
 def run(args) -> int:
+    check_args(args)
+    if args.tp == 1:
+        return serve(args, bind(args.host, args.port))
+    from .parallel.command import command_group, leave, rank_of_this_command, shard_loaded
+    from .parallel.follow import follow, stop_followers
+    from .runtime.runner import ModelRunner
+    from .speed.load import load_model
+
+    sock = bind(args.host, args.port) if rank_of_this_command() == 0 else None  # before anything starts or loads
+    group, workers = command_group(args.tp, args.device)
+    try:
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=False)
+        shard_loaded(model, group, fast=True)
+        if not group.leader:  # rank 0 serves; this rank makes its engine's steps on its shard, as it is told
+            follow(model, ModelRunner)
+            return 0
+        status = serve(args, sock, (model, tokenizer), group, workers)
+        stop_followers()
+        return status
+    finally:
+        leave()
+
+
+def serve(args, sock, loaded=None, group=None, workers=None) -> int:
+    """Load the model (or take `loaded`: rank 0's shard and the tokenizer), build the engine and the app, and serve
+    on `sock` until Ctrl-C or SIGTERM."""
     import uvicorn
 
     from .speed.load import load_model
 
-    check_args(args)
-    sock = bind(args.host, args.port)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    model, tokenizer = loaded or load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     name = args.served_model_name or args.model
+    explain = str
+    if group is not None:
+        from .parallel.command import failed_rank
+
+        explain = lambda error: str(failed_rank(workers, error))  # noqa: E731  (the rank that died, where known)
     runner, app, max_model_len = build_server(
         model, tokenizer, model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         request_timeout=args.request_timeout, max_body_bytes=int(args.max_body_mb * 2**20),
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_caching,
-        graph="compiled" if args.compile else "eager" if args.eager else "auto")
+        graph="compiled" if args.compile else "eager" if args.eager else "auto", explain=explain)
     host, port = sock.getsockname()[:2]
     engine = runner.engine.runner
     path = (f"decode steps compiled (loaded or built in {engine.build_seconds:.1f} s)" if engine.graph == "compiled"
+            else f"eager, split over {group.world} processes ({group.backend})" if group is not None
             else "eager" + ("" if args.eager or model.device.type != "cpu" else
                             ": `python -m minillm.compile --serve` (same --model/--dtype/--quant/--block-size) builds "
                             "the compiled decode step once, and later starts load it"))

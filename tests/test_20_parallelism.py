@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,68 @@ def test_a_split_the_model_does_not_allow_and_a_rank_that_dies_are_one_line():
     lines = run.stderr.read().strip().splitlines()
     assert run.returncode == 2 and lines[-1] == "minillm: error: rank 2 exited (status -9): no message", lines[-3:]
     assert not Path(f"/proc/{run.pid}/task/{run.pid}/children").exists()
+
+
+class TensorParallelServer:
+    """`python -m minillm.serve --tp 3` in a process of its own, started and waited for like a user's."""
+
+    def __init__(self):
+        from minillm.base.ports import free_port
+
+        self.port = free_port()
+        self.process = subprocess.Popen([sys.executable, "-m", "minillm.serve", "--tp", "3", "--port", str(self.port)],
+                                        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        line = self.process.stderr.readline()
+        assert "split over 3 processes (gloo)" in line, line
+        self.children = [int(pid) for pid in
+                         Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()]
+
+    def complete(self, prompt: str, max_tokens: int = 16) -> str:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0)
+        return client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens,
+                                         temperature=0).choices[0].text
+
+    def stop(self) -> float:
+        """SIGTERM; the seconds until the server and every rank it started are gone."""
+        start = time.monotonic()
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=30)
+        while any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+                  for pid in self.children) and time.monotonic() - start < 30:
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_server_split_over_three_ranks_answers_as_one_process_and_stops_on_sigterm():
+    prompts = ["The lighthouse keeper climbed the stairs and", "Three things every gardener knows:",
+               "In the winter of 1900, the town"]
+    alone = [json.loads(cli("--prompt", p, "--max-new-tokens", "16", "--eager").stdout)["text"] for p in prompts]
+    server = TensorParallelServer()
+    try:
+        with ThreadPoolExecutor(3) as pool:  # at once: the engine batches them, every rank in each step
+            assert list(pool.map(server.complete, prompts)) == alone
+    finally:
+        seconds = server.stop()
+    assert server.process.returncode == 0 and seconds < 15
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_server_whose_rank_dies_answers_503_saying_which():
+    from openai import APIStatusError
+
+    server = TensorParallelServer()
+    try:
+        os.kill(server.children[-1], signal.SIGKILL)
+        for _ in range(2):  # the request that finds the rank gone, and every one after it
+            with pytest.raises(APIStatusError) as error:
+                server.complete("Hi", 4)
+            assert error.value.status_code == 503
+            assert "the server cannot compute: rank 2 exited (status -9)" in error.value.message
+    finally:
+        server.stop()

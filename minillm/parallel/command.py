@@ -82,7 +82,7 @@ def command_group(world: int, device: str) -> tuple[Group, Workers | None]:
     now (then it is rank 0). Each CPU rank computes with its share of the cores (at least one thread)."""
     check_ranks(world, device)
     workers = None if launched_world() else Workers(world, ["-m", main_module(), *sys.argv[1:]])
-    group = join(device)
+    group = join(device)  # a server's idle rank 0 says it is there every minute (`AsyncEngine`): 600 s is ample
     if device.startswith("cuda"):
         torch.cuda.set_device(group.rank)
     return group, workers
@@ -110,6 +110,12 @@ def shard_loaded(model, group: Group, fast: bool):
     return model
 
 
+def rank_of_this_command() -> int:
+    """The rank this process will have in its command's group: the launcher's RANK, or 0 (a command started by hand
+    becomes rank 0 and starts the others). Known before the group forms: rank 0 alone binds a server's port."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def failed_rank(workers: Workers | None, error: BaseException) -> BaseException:
     """What rank 0 reports when a collective failed: the rank that died and its own error, where one did."""
     if workers is None:
@@ -120,4 +126,4 @@ def failed_rank(workers: Workers | None, error: BaseException) -> BaseException:
     return RuntimeError(reason) if reason else error
 
 
-__all__ = ["Workers", "command_group", "failed_rank", "leave", "shard_loaded"]
+__all__ = ["Workers", "command_group", "failed_rank", "leave", "rank_of_this_command", "shard_loaded"]

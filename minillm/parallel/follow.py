@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 STOP = "stop"
+NEW_RUNNER = "new runner"  # any other message names its target: "session" or "runner"
 
 
 def leads(model) -> bool:
@@ -25,9 +26,18 @@ def leads(model) -> bool:
     return getattr(model, "split", None) is not None and dist.is_initialized() and dist.get_rank() == 0
 
 
+class RanksLost(RuntimeError):
+    """A follower stopped answering (it died, or its machine did): the group cannot compute another step."""
+
+
 def announce(message) -> None:
-    """Rank 0: send `message` to every follower (each is inside `follow`, waiting for it)."""
-    dist.broadcast_object_list([message], src=0)
+    """Rank 0: send `message` to every follower (each is inside `follow`, waiting for it). A follower that is gone
+    fails the send: `RanksLost`, which a server turns into 503s rather than retrying a group that cannot step."""
+    try:
+        dist.broadcast_object_list([message], src=0)
+    except RuntimeError as error:  # gloo: "Connection closed by peer", or a timeout
+        raise RanksLost(f"a rank of the tensor-parallel group stopped answering ({str(error).splitlines()[0]})") \
+            from error
 
 
 def received():
@@ -38,7 +48,7 @@ def received():
 
 def announce_runner(settings: dict) -> None:
     """Rank 0: a new runner over the sharded model, made with `settings` (ModelRunner's keywords)."""
-    announce(("runner", settings))
+    announce((NEW_RUNNER, settings))
 
 
 class Announced:
@@ -60,9 +70,13 @@ class Announced:
 
 
 def stop_followers() -> None:
-    """Rank 0, at the end: the followers leave `follow` (and their command ends)."""
+    """Rank 0, at the end: the followers leave `follow` (and their command ends); followers already gone need no
+    telling."""
     if dist.is_initialized() and dist.get_rank() == 0:
-        announce(STOP)
+        try:
+            announce(STOP)
+        except RanksLost:
+            pass
 
 
 def follow(model, make_runner) -> int:
@@ -70,7 +84,7 @@ def follow(model, make_runner) -> int:
     **settings)`), make the calls it makes, until it says stop. Returns the number of calls made."""
     runner, calls = None, 0
     while (message := received()) != STOP:
-        if message[0] == "runner":
+        if message[0] == NEW_RUNNER:
             runner = None  # the last runner's cache freed before the next one's is allocated
             runner = make_runner(model, **message[1])
             continue
@@ -80,4 +94,4 @@ def follow(model, make_runner) -> int:
     return calls
 
 
-__all__ = ["Announced", "STOP", "announce_runner", "follow", "leads", "stop_followers"]
+__all__ = ["Announced", "RanksLost", "STOP", "announce_runner", "follow", "leads", "stop_followers"]

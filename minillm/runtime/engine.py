@@ -197,6 +197,10 @@ class Engine:
                              f"({len(self.requests)} so far)")
         return self.requests[request_id]
 
+    def keep_alive(self) -> None:
+        """Called while idle: a tensor-parallel runner's other ranks hear from rank 0 (`ModelRunner.keep_alive`)."""
+        self.runner.keep_alive()
+
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()

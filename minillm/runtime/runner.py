@@ -242,6 +242,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the paged cache
 
+    def keep_alive(self) -> None:
+        """Rank 0 of a sharded model, while no request runs: tell the other ranks it is still there (each waits for
+        its next call under the group's timeout), and find out whether they are (`RanksLost` if one is gone)."""
+        if self.leads:
+            announce(("runner", "keep_alive", (), {}))
+
     def step(self, packed: PackedSequences, tokens: torch.Tensor, logits_at: torch.Tensor) -> torch.Tensor:
         """One packed forward over the paged pool: tokens long [N] of several sequences back to back
         (`packed` says whose and where); logits [K, V] at the row entries `logits_at` [K]."""

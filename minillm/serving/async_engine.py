@@ -24,9 +24,11 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from ..decoding.outputs import GenerationEvent
+from ..parallel.follow import RanksLost
 from ..runtime.engine import Engine
 
 log = logging.getLogger("minillm.serving.server")
@@ -36,8 +38,18 @@ class QueueFull(RuntimeError):
     """More requests are waiting than the server admits: the client should retry later."""
 
 
+# Seconds without a step after which an idle engine tells a tensor-parallel group's other ranks it is still there
+# (they wait for each call under the group's timeout, `minillm.parallel.group.join`).
+KEEP_ALIVE = 60.0
+
+
 class EngineFailed(RuntimeError):
-    """The engine raised while stepping: every request in flight ends with this error."""
+    """The engine raised while stepping: every request in flight ends with this error. `lasting`: the engine cannot
+    step again (a tensor-parallel rank is gone), so later requests are refused with it too (503)."""
+
+    def __init__(self, message: str, lasting: bool = False):
+        super().__init__(message)
+        self.lasting = lasting
 
 
 @dataclass
@@ -56,9 +68,10 @@ class AsyncEngine:
     pile up unbounded work and memory.
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 64, on_finish=None):
+    def __init__(self, engine: Engine, max_waiting: int = 64, on_finish=None, explain=str):
         """on_finish(sequence): called on the engine thread for each request that ends (finished or aborted),
-        before the engine forgets it (the server's metrics read its timings there)."""
+        before the engine forgets it (the server's metrics read its timings there). explain(error): the line a
+        lost tensor-parallel rank is reported with (the command that started the ranks knows which one died)."""
         if max_waiting < 0:
             raise ValueError(f"max_waiting={max_waiting} is invalid: must be >= 0")
         self.engine, self.max_waiting, self.on_finish = engine, max_waiting, on_finish
@@ -67,6 +80,7 @@ class AsyncEngine:
         self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # request id -> its queue
         self._stopping = False
         self.aborted = 0  # requests stopped before they finished (clients gone, time limits)
+        self.explain, self.broken = explain, None  # broken: an EngineFailed every request gets once no step can run
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
 
     def start(self) -> "AsyncEngine":
@@ -137,6 +151,8 @@ class AsyncEngine:
         self._wake.set()
 
     def _add(self, prompts, configs, request_options, loop, events) -> Submitted:
+        if self.broken is not None:
+            raise self.broken
         waiting = len(self.engine.scheduler.waiting)
         if waiting + len(prompts) > self.max_waiting:
             raise QueueFull(f"{waiting} requests are already waiting (the limit is {self.max_waiting}): "
@@ -164,14 +180,23 @@ class AsyncEngine:
             self._routes.pop(request_id, None)
 
     def _run(self, keep_going=lambda: True, poll: float | None = None) -> None:
+        last_step = time.monotonic()
         while not self._stopping and keep_going():
             self._run_commands()
-            if not self.engine.has_unfinished():
-                self._wake.wait(poll)
-                self._wake.clear()
-                continue
             try:
+                if not self.engine.has_unfinished():
+                    self._wake.wait(min(poll or KEEP_ALIVE, KEEP_ALIVE))
+                    self._wake.clear()
+                    if self.broken is None and time.monotonic() - last_step > KEEP_ALIVE:
+                        self.engine.keep_alive()
+                        last_step = time.monotonic()
+                    continue
                 events = self.engine.step()
+                last_step = time.monotonic()
+            except RanksLost as error:  # the group cannot step again: fail what is in flight and what comes
+                self.broken = EngineFailed(self.explain(error), lasting=True)
+                self._fail_all(self.broken)
+                continue
             except Exception as error:  # a bug, not a bad request: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 self._fail_all(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))

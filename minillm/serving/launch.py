@@ -19,12 +19,12 @@ from .server import create_app
 
 
 def build_server(model, tokenizer, *, model_name: str, max_model_len: int | None = None, max_waiting: int = 64,
-                 request_timeout: float = 600.0, max_body_bytes: int = 2**20,
+                 request_timeout: float = 600.0, max_body_bytes: int = 2**20, explain=str,
                  **engine_options) -> tuple[AsyncEngine, FastAPI, int]:
     """The engine, its thread (not started yet) and the app serving it; returns them and the context limit.
 
-    engine_options go to `Engine` (max_num_seqs, kv_cache_mb, ...). Refuses, in one line, a
-    model the engine cannot serve.
+    engine_options go to `Engine` (max_num_seqs, kv_cache_mb, ...); explain: `AsyncEngine`'s. Refuses, in one
+    line, a model the engine cannot serve.
     """
     if tokenizer is None:
         raise ValueError(f"model {model_name!r} ships no tokenizer (tokenizer.json): a server needs one")
@@ -34,7 +34,7 @@ def build_server(model, tokenizer, *, model_name: str, max_model_len: int | None
     engine = Engine(model, tokenizer, **engine_options)
     limit = context_limit(model, engine, max_model_len)
     metrics = ServerMetrics(model_name)
-    runner = AsyncEngine(engine, max_waiting, on_finish=metrics.request_finished)
+    runner = AsyncEngine(engine, max_waiting, on_finish=metrics.request_finished, explain=explain)
     app = create_app(runner, tokenizer, model_name=model_name, max_model_len=limit, metrics=metrics,
                      request_timeout=request_timeout, max_body_bytes=max_body_bytes)
     return runner, app, limit

@@ -127,6 +127,8 @@ class OpenAIServer:
         except QueueFull as e:
             raise APIError(503, f"the server is busy: {e}", type="server_overloaded",
                            headers={"Retry-After": "1"}) from None
+        except EngineFailed as e:  # only a lasting failure is raised here: the engine cannot step again
+            raise engine_failed(e) from None
         except ValueError as e:  # the engine's own checks: token ids outside the vocabulary, a pool too small
             raise APIError(400, " ".join(str(e).split())) from None
 
@@ -174,7 +176,7 @@ class OpenAIServer:
                     return
                 continue
             if isinstance(item, EngineFailed):
-                raise APIError(500, str(item), type="server_error")
+                raise engine_failed(item)
             if item.finish_reason is not None:
                 left.discard(item.row)
             yield choices.record(item)
@@ -316,6 +318,14 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     app.state.openai = server  # `python -m minillm.serve`'s SIGTERM handler stops its compiles
     return app
+
+
+def engine_failed(error: EngineFailed) -> APIError:
+    """A failed step as the client sees it: a bug in a step is 500 (the next request may well work); an engine that
+    cannot step again (a tensor-parallel rank is gone) is 503, saying why, for every request until a restart."""
+    if error.lasting:
+        return APIError(503, f"the server cannot compute: {error}; restart it", type="server_error")
+    return APIError(500, str(error), type="server_error")
 
 
 def check_model_name(asked: str, served: str) -> None:
