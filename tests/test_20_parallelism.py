@@ -110,8 +110,9 @@ def test_a_split_the_shapes_do_not_allow_is_refused_in_one_line():
                                          r"\(1, 3, 9\)$"):
         check_split(default, 2)
     check_split(default, 3)
-    with pytest.raises(ValueError, match=r"^--tp 3: the model's 2 key/value heads neither split evenly over 3 ranks nor "
-                                         r"repeat evenly on them: use a divisor or a multiple of 2 that divides 6$"):
+    with pytest.raises(ValueError, match=r"^--tp 3: the model's 2 key/value heads neither split evenly over 3 "
+                                         r"ranks nor repeat evenly on them: use a divisor or a multiple of 2 that "
+                                         r"divides 6$"):
         check_split(ModelConfig(n_head=6, n_kv_head=2, d_model=48, d_ff=96), 3)
     check_split(ModelConfig(n_head=12, n_kv_head=3, d_model=576, d_ff=1536), 6)  # each rank repeats one KV head
     check_split(ModelConfig(n_head=4, n_kv_head=1, d_model=640, head_dim=256, d_ff=2048), 2)  # Gemma 3 270M: repeat
