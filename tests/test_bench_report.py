@@ -19,11 +19,11 @@ import sys
 import pytest
 
 from minillm.base.jsonio import dumps, read_json, write_json
-from minillm.bench import batch, cache_scaling, decode, lookahead, processes, report, speculative
+from minillm.bench import batch, cache_scaling, decode, lookahead, parallel, processes, report, speculative
 from minillm.bench.cli import OPTION_COMMANDS, RESULTS, build_parser, git_stamp, write_results
 
 PLOTS = {"decode": decode.plot, "cache-scaling": cache_scaling.plot, "batch": batch.plot,
-         "speculative": speculative.plot, "lookahead": lookahead.plot, "cli": processes.plot}
+         "speculative": speculative.plot, "lookahead": lookahead.plot, "cli": processes.plot, "parallel": parallel.plot}
 
 
 def strict_loads(text: str):
@@ -184,8 +184,21 @@ def cli_result() -> dict:
                    torch_import_seconds=0.7, torch_import_seconds_per_repeat=[0.6, 0.7, 0.9])
 
 
+def parallel_result() -> dict:
+    def row(predicted, measured, own, collectives):
+        return {"tokens_per_second": predicted, "tokens_per_second_own_buses": own,
+                "collective_ms_per_step": collectives, "measured_tokens_per_second": measured,
+                "measured_tokens_per_second_per_repeat": around(measured), "seconds": 3.0, "text": "It was."}
+
+    alone, split = row(40.0, 38.0, 40.0, 0.0), row(6.0, 4.75, 12.0, 150.0)
+    split.update(same_text_as_one_process=True, vs_one_process=4.75 / 38.0)
+    return stamped("parallel", quick=False, prompt="The history", new_tokens=64, threads=2,
+                   allreduce_us={"3": {"256": 1500.0, "1048576": 2500.0}},
+                   contenders={"default --tp 1": alone, "default --tp 3": split})
+
+
 SYNTHETIC = {"decode": decode_result, "cache-scaling": cache_scaling_result, "batch": batch_result,
-             "speculative": speculative_result, "lookahead": lookahead_result, "cli": cli_result}
+             "speculative": speculative_result, "lookahead": lookahead_result, "cli": cli_result, "parallel": parallel_result}
 
 
 @pytest.fixture
@@ -227,6 +240,13 @@ def test_cli_report_sets_each_process_against_its_llama_cpp_format(results_dir):
     assert "| open-ended | prompt-lookup | 39.0 (35.1-46.8) | 8.00 | 0.97x | 1.46 | yes |" in section
     assert "| copy-heavy | prompt-lookup | 100.0 (90.0-120.0) | 8.00 | 2.50x | 3.75 | NO |" in section
     assert "| copy-heavy | plain | 40.0 (36.0-48.0) | 8.00 | — | 1 | — |" in section
+
+
+def test_parallel_report_puts_each_prediction_beside_its_measurement(results_dir):
+    section = report.regenerate(TEMPLATE, results_dir, results_dir)
+    assert "| `--model default --tp 3` | 6.0 | 4.8 (4.3-5.7) | 0.12x | 150.0 | 12.0 | yes |" in section
+    assert "| `--model default --tp 1` | 40.0 | 38.0 (34.2-45.6) | — | 0.0 | 40.0 | — |" in section
+    assert "One gloo all-reduce on this machine, 256 bytes to 1 MiB: 3 ranks 1.50-2.50 ms." in flat(section)
 
 
 def test_lookahead_report_quotes_speedups_forwards_and_the_best_setting(results_dir):

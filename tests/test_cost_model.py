@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,14 +20,19 @@ import torch
 from minillm.cache.kv_cache import StaticCache
 from minillm.costmodel.model import (
     SMOLLM2_135M,
+    Machine,
     Step,
+    collective_seconds,
     decode_step,
     eager_ops,
     forward_flops,
     kv_bytes_per_token,
+    log_interpolate,
     matmul_flops,
     packed_step,
     predict,
+    shard_config,
+    sharded_decode_step,
     weight_bytes,
 )
 from minillm.costmodel.probes import count_ops
@@ -185,3 +191,29 @@ def test_the_cost_model_page_lists_the_lessons_it_checks():
     lessons = {row["lesson"] for row in forecasts(Machine(30e9, 300e9, 2e-6, 0.2e-6))}
     assert sorted(lesson for lesson, _ in rows) == sorted(lessons)
     assert [what for _, what in rows if re.search(r"\d(?:\.\d+)?\s?-\s?\d", what)] == []
+
+
+def test_a_sharded_step_reads_its_share_and_waits_in_two_collectives_per_block():
+    """Lesson 20's step, by its definition: on one memory bus the ranks' weight reads take as long as one
+    process's (each reads 1/ranks of the bytes at 1/ranks of the bandwidth), with a bus each they take 1/ranks of
+    it (the same bytes of the head, norms and biases aside); every rank then waits in 2 all-reduces per block, one
+    for the embedding, the logits' gather and the step's message, each priced at the probed all-reduce."""
+    config = SMOLLM2_135M
+    probed = {3: ((256, 1e-4), (4096, 2e-4))}
+    machine = Machine(bandwidth=20e9, peak_flops=1e15, op_seconds=0.0, sync_seconds=0.0, allreduce=probed)
+    alone = decode_step(config)
+    shared, own = sharded_decode_step(config, 3, memory_buses=1), sharded_decode_step(config, 3, memory_buses=3)
+    assert shared.collectives == own.collectives == 2 * config.n_layer + 3 and shared.ranks == 3
+    assert shared.collective_bytes == config.d_model * 4  # one row's activations, 2304 bytes
+    per_collective = log_interpolate(probed[3], 2304)
+    assert 1e-4 < per_collective < 2e-4
+    assert collective_seconds(shared, machine) == pytest.approx(63 * per_collective)
+    assert shared.weight_bytes == pytest.approx(alone.weight_bytes, rel=0.01)  # the bus shared: no faster
+    assert own.weight_bytes == pytest.approx(alone.weight_bytes / 3, rel=0.01)
+    assert shard_config(config, 3).n_head == 3 and shard_config(config, 3).kv_heads == 1
+    gemma = replace(config, n_head=4, n_kv_head=1)
+    assert shard_config(gemma, 2).kv_heads == 1  # a repeated key/value head: each rank caches all of it
+    assert predict(shared, machine) == pytest.approx(predict(replace(shared, collectives=0), machine)
+                                                     + 63 * per_collective)
+    assert collective_seconds(shared, replace(machine, allreduce={})) == 0.0  # an unprobed group: no term
+    assert collective_seconds(alone, machine) == 0.0

@@ -34,6 +34,7 @@ SUITES = {
     "quant": "minillm.bench.quant",
     "regression": "minillm.bench.regression",
     "cli": "minillm.bench.processes",
+    "parallel": "minillm.bench.parallel",
 }
 REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS = REPO / "results"

@@ -48,6 +48,7 @@ from .sections_systems import (
     attention_section,
     cli_section,
     compile_section,
+    parallel_section,
     quant_section,
     serve_vs_llamacpp_section,
     server_section,
@@ -79,6 +80,7 @@ SPEED = {  # the fast paths (lessons 14-16)
     "compile": ("Compiled and exported graphs", compile_section),
     "quant": ("Quantized weights", quant_section),
     "cli": ("Whole runs from the command line", cli_section),
+    "parallel": ("One process against ranks (tensor parallelism)", parallel_section),
 }
 SECTIONS = {**DECODING, **SERVING, **SPEED}
 

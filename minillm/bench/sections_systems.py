@@ -361,3 +361,33 @@ def serve_vs_llamacpp_section(title: str, data: dict, links: dict) -> str:
                       f"{data['clients']} clients at once; the loads alternate between the servers, round by round. "
                       "TTFT: time to first token; TPOT: time per output token after the first.",
                       data, header, body, notes)
+
+
+def parallel_section(title: str, data: dict, links: dict) -> str:
+    rows = data["contenders"]
+    header = ["command line", "predicted tok/s (one memory bus)", "measured tok/s (spread)", "vs one process",
+              "predicted collectives ms/step", "predicted tok/s, a bus per rank", "same text"]
+    body = []
+    for name, row in rows.items():
+        measured = row["measured_tokens_per_second"]
+        body.append([f"`--model {name}`", f"{row['tokens_per_second']:.1f}",
+                     f"{measured:.1f} ({md.span(row['measured_tokens_per_second_per_repeat'], 1)})",
+                     md.times(row["vs_one_process"]) if "vs_one_process" in row else "—",
+                     f"{row['collective_ms_per_step']:.1f}", f"{row['tokens_per_second_own_buses']:.1f}",
+                     "—" if "same_text_as_one_process" not in row
+                     else "yes" if row["same_text_as_one_process"] else "NO"])
+    curves = data["allreduce_us"]
+    latency = "; ".join(f"{ranks} ranks {md.span([us / 1e3 for us in curve.values()])} ms"
+                        for ranks, curve in curves.items())
+    sizes = [int(size) for curve in curves.values() for size in curve]
+    notes = [md.bullet(f"One gloo all-reduce on this machine, {min(sizes)} bytes to {max(sizes) // 2**20} MiB: "
+                       f"{latency}. A sharded step waits in 2 of them per block and 3 more."),
+             md.bullet("Every rank here shares the machine's cores and its one memory bus: splitting the weights "
+                       "cannot read them faster, it can only add the collectives. Tensor parallelism pays where "
+                       "each rank has memory and bandwidth of its own (GPUs, sockets) and the links are fast: the "
+                       "last column prices that case with this machine's all-reduce, as a bound.")]
+    models = " and ".join(dict.fromkeys(model_label(name.split(" --tp")[0]) for name in rows))
+    return md.section(title, links, f"{models}, eager float32, each command a "
+                      f"fresh process (`python -m minillm.infer --tp N`, greedy, {data['new_tokens']} new tokens); "
+                      f"the cost model's step (`sharded_decode_step`) priced from the probes before any run, then "
+                      f"medians of {data['repeats']} rounds after a warm-up, alternating.", data, header, body, notes)

@@ -90,6 +90,7 @@ class Machine:
     sync_seconds: float
     linear: dict = field(default_factory=dict, hash=False, compare=False)
     attention: dict = field(default_factory=dict, hash=False, compare=False)
+    allreduce: dict = field(default_factory=dict, hash=False, compare=False)  # ranks -> ((bytes, seconds), ...)
 
     def linear_seconds_per_byte(self, dtype: str, rows: int, part: str = "block") -> float | None:
         """The library's time per weight byte of a block matrix (`part` 'block') or of the LM head ('head') at
@@ -97,6 +98,11 @@ class Machine:
         The head falls back on the block curve where it was not probed apart."""
         curve = self.linear.get(f"{dtype} head", ()) if part == "head" else ()
         return log_interpolate(curve or self.linear.get(dtype, ()), rows)
+
+    def allreduce_seconds(self, ranks: int, nbytes: float) -> float | None:
+        """One all-reduce of `nbytes` among `ranks` processes, log-linear between the probed sizes
+        (`probes.measure_allreduce_seconds`: gloo over this machine's loopback); None if that group was not probed."""
+        return log_interpolate(self.allreduce.get(ranks, ()), nbytes)
 
     def attention_seconds(self, batch: int, queries: int, keys: int) -> float | None:
         """One layer's attention call for `batch` rows of `queries` new tokens over `keys` keys, from the probed
@@ -142,6 +148,9 @@ class Step:
     batch: int = 1
     queries: int = 1
     keys: int = 0
+    ranks: int = 1  # processes computing the step together (tensor parallelism: this step is one rank's share)
+    collectives: int = 0  # all-reduces (and the all-gather and step message, priced alike) each rank waits in
+    collective_bytes: float = 0.0  # the bytes of each
 
     @property
     def bytes(self) -> float:
@@ -181,9 +190,18 @@ def work_seconds(step: Step, machine: Machine) -> float:
             + attention_seconds(step, machine) + step.activation_bytes / machine.bandwidth)
 
 
+def collective_seconds(step: Step, machine: Machine) -> float:
+    """The step's waits in collectives: each at the probed all-reduce time for its group and size (none for one
+    process; an unprobed group costs nothing here, and the prediction says so by being too fast)."""
+    if step.ranks == 1 or not step.collectives:
+        return 0.0
+    return step.collectives * (machine.allreduce_seconds(step.ranks, step.collective_bytes) or 0.0)
+
+
 def predict(step: Step, machine: Machine) -> float:
-    """Seconds for the step: its reading and arithmetic plus the overhead of its ops and syncs."""
-    return work_seconds(step, machine) + step.ops * machine.op_seconds + step.syncs * machine.sync_seconds
+    """Seconds for the step: its reading and arithmetic, the overhead of its ops and syncs, and its collectives."""
+    return (work_seconds(step, machine) + step.ops * machine.op_seconds + step.syncs * machine.sync_seconds
+            + collective_seconds(step, machine))
 
 
 def tokens_per_second(step: Step, machine: Machine) -> float:
@@ -342,6 +360,32 @@ def packed_step(config: ModelConfig, prefill_tokens: int, decode_rows: int, chun
                 tokens * config.d_model * 4 * 2 * config.n_layer, flops, ops, syncs, tokens=rows, rows=tokens,
                 kernels="library", attention_flops=attention, head_bytes=config.vocab_size * config.embed_size * 4.0,
                 head_rows=rows)
+
+
+def shard_config(config: ModelConfig, ranks: int) -> ModelConfig:
+    """What one of `ranks` ranks holds (lesson 20, `minillm.parallel.shard`): its query heads, its key/value heads
+    (or the one it repeats), its MLP units and its rows of the vocabulary."""
+    return replace(config, n_head=config.n_head // ranks, n_kv_head=max(1, config.kv_heads // ranks),
+                   head_dim=config.head_size, d_ff=config.ff_size // ranks,
+                   vocab_size=math.ceil(config.vocab_size / ranks))
+
+
+def sharded_decode_step(config: ModelConfig, ranks: int, memory_buses: int = 1, batch: int = 1,
+                        context: int = 256) -> Step:
+    """One rank's share of an eager float32 decode step split over `ranks` processes (Megatron's split).
+
+    Each rank reads 1/ranks of the weights and of the cache, and then waits in 2 all-reduces per block (after
+    attention, after the MLP) of the step's [batch, d_model] activations, one more for the embedding, an
+    all-gather of the logits and rank 0's message announcing the step: 2 * n_layer + 3 collectives, each priced
+    as an all-reduce of the activations (the gather's logits are larger: a floor for those two). Ranks that
+    share `memory_buses` < ranks memory buses share their bandwidth too: each reads its 1/ranks of the bytes at
+    buses/ranks of the machine's bandwidth, so the bytes take as long as one process's (`work_seconds` scaled);
+    only ranks on buses of their own read in parallel."""
+    step = decode_step(shard_config(config, ranks), batch=batch, context=context)
+    scale = ranks / min(ranks, memory_buses)  # each rank's share of the bandwidth: min(ranks, buses) / ranks
+    return replace(step, weight_bytes=step.weight_bytes * scale, head_bytes=step.head_bytes * scale,
+                   kv_bytes=step.kv_bytes * scale, ranks=ranks, collectives=2 * config.n_layer + 3,
+                   collective_bytes=batch * config.d_model * 4.0)
 
 
 def with_bytes(step: Step, weight_bytes: float) -> Step:

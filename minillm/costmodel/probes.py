@@ -162,6 +162,50 @@ def measure_sync_seconds(bursts: int = 50, repeat: int = 100, device: str = "cpu
     return fastest(lambda: x.item(), bursts, repeat)
 
 
+ALLREDUCE_BYTES = (256, 2304, 2**14, 2**17, 2**20)  # one row of a small and of the default model, to a batch's
+
+
+def allreduce_rank(group, sizes: tuple[int, ...], bursts: int, repeat: int, out: str) -> None:
+    """One rank of `measure_allreduce_seconds`: every rank times the same all-reduces; rank 0 writes the fastest
+    burst's mean per size (as `fastest` does) to `out`."""
+    import json
+
+    import torch.distributed as dist
+
+    seconds = {}
+    for size in sizes:
+        x = torch.zeros(size // 4)
+        dist.all_reduce(x)  # the connections' first use
+        best = math.inf
+        for _ in range(bursts):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeat):
+                dist.all_reduce(x)
+            best = min(best, (time.perf_counter() - start) / repeat)
+        seconds[size] = best
+    if group.leader:
+        with open(out, "w") as file:
+            json.dump(seconds, file)
+
+
+def measure_allreduce_seconds(ranks: int, sizes=ALLREDUCE_BYTES, bursts: int = 5,
+                              repeat: int = 50) -> tuple[tuple[int, float], ...]:
+    """(bytes, seconds) of one gloo all-reduce among `ranks` fresh processes on this machine, for each size: the
+    latency a tensor-parallel step pays in every collective (lesson 20). Each rank computes with its share of the
+    cores, as a sharded command's do."""
+    import json
+    import tempfile
+
+    from ..parallel.launch import spawn_ranks
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = f"{folder}/allreduce.json"
+        spawn_ranks(ranks, allreduce_rank, tuple(sizes), bursts, repeat, out, timeout=120)
+        with open(out) as file:
+            return tuple((int(size), seconds) for size, seconds in json.load(file).items())
+
+
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)  # rows a step multiplies: one token, a verify, a batch, a prefill
 HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # rows the LM head multiplies: the positions whose logits a step keeps
 ATTENTION_KEYS = (64, 256, 1024)  # cached keys an attention call reads: a short chat to a long document
