@@ -242,3 +242,56 @@ def test_cli_completes_raw_text_with_gemma3_270m(gemma):
 
 def test_notebook_runs(run_notebook):
     run_notebook("17_model_families.ipynb", timeout=600)
+
+
+# --- A mixture of experts: routing, the engine, what it refuses. ----------------------------------------------------
+
+def test_a_mixture_of_experts_routes_each_token_to_its_top_k_as_the_definition_says():
+    """Brute force: every expert applied to every token, weighted by the router's renormalised top-2 probabilities
+    (zero for the experts not picked), equals the MoE layer's loop over picked experts."""
+    _, model = tiny_pair("qwen3_moe")
+    moe = model.blocks[0].mlp
+    x = torch.randn(3, 5, model.config.d_model, generator=torch.Generator().manual_seed(4))
+    h = x.reshape(-1, x.shape[-1])
+    probabilities = (h @ moe.router.weight.T).softmax(-1)
+    top = probabilities.topk(2, -1)
+    weights = torch.zeros_like(probabilities).scatter(-1, top.indices, top.values / top.values.sum(-1, keepdim=True))
+    every = torch.stack([torch.nn.functional.linear(
+        torch.nn.functional.silu(g) * u, moe.down[e]) for e, (g, u) in
+        enumerate(torch.nn.functional.linear(h, moe.gate_up[e]).chunk(2, -1) for e in range(4))])  # [E, N, d]
+    expected = (weights.T[..., None] * every).sum(0).view_as(x)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mixture_of_experts_serves_through_the_engine_and_counts_each_experts_load():
+    from minillm.runtime.engine import Engine
+
+    _, model = tiny_pair("qwen3_moe")
+    prompts = [random_tokens(1, 14, seed=5)[0].tolist(), random_tokens(1, 9, seed=6)[0].tolist()]
+    expected = generate(model, prompts, max_new_tokens=8, eos_token_id=()).token_ids
+    moe_layers = [block.mlp for block in model.blocks if hasattr(block.mlp, "count_load")]
+    for layer in moe_layers:
+        layer.count_load()
+    engine = Engine(model, max_num_batched_tokens=16)  # the longer prompt in two chunks
+    ids = [engine.add_request(p, max_new_tokens=8, eos_token_id=()) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(i).token_ids for i in ids] == expected
+    fed = sum(len(p) for p in prompts) + 2 * 7  # every prompt token, then each token fed back
+    assert all(int(layer.load.sum()) == 2 * fed for layer in moe_layers)  # two experts per token fed
+
+
+def test_a_mixture_of_experts_refuses_a_graph_quantization_and_a_split_in_one_line():
+    from minillm.parallel.shard import check_split
+    from minillm.speed.compile import CompiledModel
+    from minillm.speed.quant_gguf import apply_quantization
+
+    _, model = tiny_pair("qwen3_moe")
+    with pytest.raises(ValueError, match=r"^a mixture of experts runs the experts its tokens pick.*without compile"):
+        CompiledModel(model)
+    with pytest.raises(ValueError, match=r"^--quant int8: the quantized kernels cover linear layers"):
+        apply_quantization(model, "int8", "unused")
+    with pytest.raises(ValueError, match=r"^--tp 2: a mixture of experts does not split yet"):
+        check_split(model.config, 2)
+    assert generate(model, [[1, 2, 3]], max_new_tokens=2, compile=None).stats.extra.get("graph", "eager") == "eager"

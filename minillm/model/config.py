@@ -55,6 +55,12 @@ class ModelConfig:
     d_embed: int | None = None  # token embedding width when it differs from d_model: project in and out (OPT-350m)
     final_norm: bool = True  # a norm before the LM head (OPT's post-norm models have none)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+    # --- mixtures of experts (lesson 17: Qwen3-MoE) ---
+    num_experts: int = 0  # experts per MoE layer; 0: every MLP is dense
+    experts_per_token: int = 0  # top-k: the experts each token's router picks
+    moe_ff: int | None = None  # each expert's hidden size (None: d_ff)
+    norm_topk_prob: bool = False  # rescale the k picked probabilities to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP although the model has experts
 
     def __post_init__(self):
         for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("block", BLOCKS)):
@@ -68,6 +74,8 @@ class ModelConfig:
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types={self.layer_types!r}: give 'full' or 'sliding' for each of the "
                              f"{self.n_layer} layers")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token}: pick 1 to num_experts={self.num_experts}")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size
                                             or (self.head_size - self.rotary_dim) % 2):
             raise ValueError(f"rotary_dim={self.rotary_dim}: use an even number up to head_dim={self.head_size} "
@@ -94,6 +102,10 @@ class ModelConfig:
         if self.sliding_window is None:
             return False
         return self.layer_types is None or self.layer_types[layer] == "sliding"
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def to_dict(self) -> dict:
         return asdict(self)

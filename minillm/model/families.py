@@ -109,6 +109,20 @@ def qwen_config(hf: dict) -> ModelConfig:
                       sliding_window=window, layer_types=sliding_layers(hf, window))
 
 
+def qwen3_moe_config(hf: dict) -> ModelConfig:
+    """Qwen3 with mixtures of experts: every `decoder_sparse_step`-th layer's MLP (but `mlp_only_layers`) routes each
+    token to `num_experts_per_tok` of `num_experts` experts."""
+    silu_only(hf)
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    dense |= {i for i in range(hf["num_hidden_layers"]) if (i + 1) % step}
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    experts = hf.get("num_experts") or hf["num_local_experts"]  # transformers 5 writes the second name
+    return llama_like(hf, qkv_bias=hf.get("attention_bias", False), qk_norm=True, sliding_window=window,
+                      layer_types=sliding_layers(hf, window), num_experts=experts,
+                      experts_per_token=hf["num_experts_per_tok"], moe_ff=hf["moe_intermediate_size"],
+                      norm_topk_prob=hf.get("norm_topk_prob", False), dense_layers=tuple(sorted(dense)))
+
+
 def mistral_config(hf: dict) -> ModelConfig:
     """Mistral: Llama with a sliding window on every layer."""
     silu_only(hf)
@@ -224,6 +238,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", llama_config, llama_like_state),
     Family("qwen2", "Qwen2ForCausalLM", qwen_config, llama_like_state),
     Family("qwen3", "Qwen3ForCausalLM", qwen_config, llama_like_state),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qwen3_moe_config, llama_like_state),
     Family("mistral", "MistralForCausalLM", mistral_config, llama_like_state),
     Family("phi3", "Phi3ForCausalLM", phi3_config, llama_like_state),
     Family("gemma2", "Gemma2ForCausalLM", gemma_config, llama_like_state),

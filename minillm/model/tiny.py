@@ -19,7 +19,7 @@ from .transformer import Transformer
 TINY_KINDS = ("gpt2", "llama", "qwen2")
 # Lesson 17's families, each with every switch it brings turned on and a sliding window (8)
 # shorter than the prompts the checks use.
-FAMILY_KINDS = ("gemma3", "gemma2", "qwen3", "mistral", "phi3", "opt", "opt-pre", "gptj")
+FAMILY_KINDS = ("gemma3", "gemma2", "qwen3", "qwen3_moe", "mistral", "phi3", "opt", "opt-pre", "gptj")
 TINY_WINDOW = 8
 
 
@@ -77,6 +77,10 @@ def tiny_family_model(kind: str, vocab_size: int, context_length: int):
                                                     **gemma))
     if kind == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, tie_word_embeddings=True, **llama_like))
+    if kind == "qwen3_moe":  # 4 experts, 2 per token; layer 1 keeps a dense MLP
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                        moe_intermediate_size=24, norm_topk_prob=True,
+                                                        mlp_only_layers=[1], **llama_like))
     if kind == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=TINY_WINDOW, **llama_like))
     if kind == "phi3":

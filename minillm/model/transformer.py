@@ -39,6 +39,7 @@ from torch import nn
 
 from .attention import AttentionStep, SDPABackend, causal_mask_lower_right
 from .config import ModelConfig
+from .experts import MoE
 from .norms import make_norm
 from .rope import RopeTable, apply_rope
 
@@ -158,12 +159,12 @@ class Block(nn.Module):
     parallel (GPT-J):           x + attn(norm1(x)) + mlp(norm1(x)): one norm, both branches read it.
     """
 
-    def __init__(self, config: ModelConfig, window: SlidingWindow | None = None):
+    def __init__(self, config: ModelConfig, window: SlidingWindow | None = None, moe: bool = False):
         super().__init__()
         self.kind = config.block
         self.norm1, self.attn = make_norm(config), Attention(config, window)
         self.norm2 = make_norm(config) if config.block != "parallel" else None
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if moe else MLP(config)
         self.post_attn_norm = make_norm(config) if config.post_norms else None
         self.post_mlp_norm = make_norm(config) if config.post_norms else None
         self.local_rope = window is not None and config.rope_local_theta is not None
@@ -194,7 +195,7 @@ class Transformer(nn.Module):
         self.proj_in = nn.Linear(d_embed, d, bias=False) if d_embed != d else None
         self.pos_emb = nn.Embedding(config.context_length, d) if config.positions == "learned" else None
         window = SlidingWindow(config.sliding_window) if config.sliding_window is not None else None
-        self.blocks = nn.ModuleList(Block(config, window if config.is_sliding(i) else None)
+        self.blocks = nn.ModuleList(Block(config, window if config.is_sliding(i) else None, config.is_moe(i))
                                     for i in range(config.n_layer))
         self.norm_f = make_norm(config) if config.final_norm else None
         self.proj_out = nn.Linear(d, d_embed, bias=False) if d_embed != d else None

@@ -114,12 +114,17 @@ def llama_like_state(b: StateBuilder, config: ModelConfig) -> None:
         att = p + "self_attn."
         if fused:
             b.put_linear(q + "attn.qkv", [att + "qkv_proj"], config.qkv_bias, reorder_fused_qkv(config))
-            b.put(q + "mlp.fc.weight", p + "mlp.gate_up_proj.weight")
         else:
             b.put_linear(q + "attn.qkv", [att + f"{x}_proj" for x in "qkv"], config.qkv_bias)
-            b.put(q + "mlp.fc.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         b.put(q + "attn.proj.weight", att + "o_proj.weight")
-        b.put(q + "mlp.proj.weight", p + "mlp.down_proj.weight")
+        if config.is_moe(i):
+            experts_state(b, config, p + "mlp.", q + "mlp.")
+        elif fused:
+            b.put(q + "mlp.fc.weight", p + "mlp.gate_up_proj.weight")
+        else:
+            b.put(q + "mlp.fc.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        if not config.is_moe(i):
+            b.put(q + "mlp.proj.weight", p + "mlp.down_proj.weight")
         if config.qk_norm:
             b.put(q + "attn.q_norm.weight", att + "q_norm.weight")
             b.put(q + "attn.k_norm.weight", att + "k_norm.weight")
@@ -131,6 +136,23 @@ def llama_like_state(b: StateBuilder, config: ModelConfig) -> None:
         else:
             b.put(q + "norm2.weight", p + "post_attention_layernorm.weight")
     b.put("norm_f.weight", "norm.weight")
+
+
+def experts_state(b: StateBuilder, config: ModelConfig, p: str, q: str) -> None:
+    """A mixture of experts' router and experts: stored for all experts at once (transformers 5: `experts.gate_up_proj`
+    [E, 2ff, d], `experts.down_proj` [E, d, ff]) or one expert at a time (the hub's files: `experts.{e}.gate_proj`,
+    `up_proj`, `down_proj`), stacked here into the first layout."""
+    b.put(q + "router.weight", p + "gate.weight")
+    if p + "experts.gate_up_proj" in b.w:
+        b.put(q + "gate_up", p + "experts.gate_up_proj")
+        b.put(q + "down", p + "experts.down_proj")
+        return
+    experts = range(config.num_experts)
+    b.state[q + "gate_up"] = torch.stack([torch.cat((b.w[f"{p}experts.{e}.gate_proj.weight"],
+                                                     b.w[f"{p}experts.{e}.up_proj.weight"])) for e in experts])
+    b.state[q + "down"] = torch.stack([b.w[f"{p}experts.{e}.down_proj.weight"] for e in experts])
+    b.origin[q + "gate_up"] = f"{p}experts.{{0..{len(experts) - 1}}}.{{gate,up}}_proj.weight"
+    b.origin[q + "down"] = f"{p}experts.{{0..{len(experts) - 1}}}.down_proj.weight"
 
 
 def gpt2_state(b: StateBuilder, config: ModelConfig) -> None:

@@ -95,6 +95,9 @@ def check_split(config, world: int) -> None:
     if kv % world and world % kv:
         raise ValueError(f"--tp {world}: the model's {kv} key/value heads neither split evenly over {world} ranks nor "
                          f"repeat evenly on them: use a divisor or a multiple of {kv} that divides {config.n_head}")
+    if config.num_experts and world > 1:
+        raise ValueError(f"--tp {world}: a mixture of experts does not split yet (its experts would go to ranks "
+                         f"whole, expert parallelism): run it in one process")
     if config.ff_size % world:
         raise ValueError(f"--tp {world} does not divide the MLP's {config.ff_size} hidden units")
 

@@ -53,6 +53,7 @@ from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..model.attention import uses_default_attention
 from ..parallel.follow import Announced, announce, announce_runner, leads
 from ..speed.compile import compile_model
+from ..speed.graph_forward import graph_problem
 from ..speed.huge_pages import place_deferred, placement_deferred
 from ..speed.onednn import use_plain_linear
 from ..speed.onnx_model import OnnxModel, OnnxSession
@@ -114,7 +115,7 @@ class ModelRunner:
         if graph == "auto":  # the compiled graphs when they are already built for this run, else eager
             eligible = (cache in ("static", "paged") and isinstance(model, torch.nn.Module)
                         and model.device.type == "cpu"  # a GPU keeps nothing: it compiles and records when asked
-                        and model.config.rope_long_factor is None  # long RoPE: no fixed graph (`refuse_long_rope`)
+                        and graph_problem(model.config) is None  # long RoPE, experts: no fixed graph
                         and uses_default_attention(model))  # another kernel asked for (lesson 16) runs eagerly
             kept = compile_model(model, kept=True) if eligible else None
             problems = list(map(kept.kept_problem, shapes)) if eligible else []

@@ -48,7 +48,7 @@ from ..cache.kv_cache import StaticCache
 from ..model.attention import set_attention_backend
 from .attention_kernels import make_backend
 from .cuda_graph import CapturedStep
-from .graph_forward import CacheStep, graph_ready_copy, refuse_long_rope
+from .graph_forward import CacheStep, graph_ready_copy, refuse_ungraphable
 from .graph_store import PackagedStep, graph_key, kept_problem, load_or_build
 from .inductor import check_matmul_kernels, inductor_settings, matmul_kernels
 from .step_shapes import PagedShape, StepShape
@@ -75,7 +75,7 @@ class CompiledModel:
         self.graphs = 0  # graphs compiled so far (a recompile adds one)
         self.compile_seconds = 0.0  # wall time of the calls that compiled a graph
         self.eager_calls = 0
-        refuse_long_rope(model.config)
+        refuse_ungraphable(model.config)
         # StepShape -> what runs it, once `prepare` made it ready: a loaded package (kept) or this process's
         # compiled step. After `prepare`, a shape not in here runs eagerly instead of compiling in the loop.
         self.packages = {}

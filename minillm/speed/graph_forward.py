@@ -35,10 +35,19 @@ class FixedRope:
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
 
 
-def refuse_long_rope(config) -> None:
+def graph_problem(config) -> str | None:
+    """Why no fixed graph can hold this model's forward (None: one can): it branches on values it computes."""
     if config.rope_long_factor is not None:
-        raise ValueError("long-RoPE models (Phi-3 with rope_long_factor) pick their RoPE table by the largest "
-                         "position, which a fixed graph cannot do: run this model without compile/export")
+        return ("long-RoPE models (Phi-3 with rope_long_factor) pick their RoPE table by the largest position, which "
+                "a fixed graph cannot do")
+    if config.num_experts:
+        return "a mixture of experts runs the experts its tokens pick, a loop over data that a fixed graph cannot hold"
+    return None
+
+
+def refuse_ungraphable(config) -> None:
+    if problem := graph_problem(config):
+        raise ValueError(f"{problem}: run this model without compile/export")
 
 
 def graph_ready_copy(model):
@@ -46,11 +55,11 @@ def graph_ready_copy(model):
 
     The oneDNN swap (`minillm.speed.onednn`) keeps a packed weight behind a Python-side
     check that a tracer cannot follow; a compiler packs weights for its own kernels.
-    Models whose RoPE switches tables with the length (long-RoPE) are refused: the
-    switch depends on a value inside the graph.
+    Models whose forward branches on values inside the graph (long-RoPE's table switch,
+    a mixture of experts' routing) are refused (`graph_problem`).
     """
     config = model.config
-    refuse_long_rope(config)
+    refuse_ungraphable(config)
     graph_model = use_plain_linear(copy.deepcopy(model))
     if graph_model.rope is not None:
         graph_model.rope = FixedRope(graph_model.rope, config.context_length, model.dtype, model.device)
@@ -168,4 +177,4 @@ class CacheStep(nn.Module):
 
 
 __all__ = ["CacheStep", "ColumnWrites", "FixedRope", "PagedDecodeStep", "PoolWrites", "graph_forward",
-           "graph_ready_copy", "refuse_long_rope"]
+           "graph_problem", "graph_ready_copy", "refuse_ungraphable"]

@@ -233,6 +233,9 @@ def apply_quantization(model: nn.Module, method: str, name_or_path: str) -> nn.M
     """The CLI's --quant: "gguf" runs the model's GGUF blocks (`name_or_path` says which file), the rest
     `minillm.speed.quantize_model.quantize_model`; int4 in groups of 32 (the finest the kernel offers) with an int8 head,
     as the GGUF path has (a 4-bit head costs more accuracy than every other matrix together: lesson 14)."""
+    if model.config.num_experts:
+        raise ValueError(f"--quant {method}: the quantized kernels cover linear layers, not a mixture of experts' "
+                         f"stacked expert weights: run this model in float (drop --quant)")
     if method == "gguf":
         return use_gguf_weights(model, gguf_path_for(name_or_path))
     return quantize_model(model, method, head="int8" if method == "int4" else None)
