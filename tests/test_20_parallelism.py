@@ -146,6 +146,7 @@ def test_cli_split_over_ranks_prints_one_process_tokens(model, world):
     split = cli(*flags, "--tp", str(world), "--stats")
     assert token_ids(split) == alone
     assert f"split over {world} processes (gloo)" in split.stderr
+    assert (f"minillm: note: {world} ranks share {os.cpu_count()} cores" in split.stderr) == (world > os.cpu_count())
     assert split.stdout.count("token_ids") == 1  # rank 0 prints; the others compute in silence
 
 

@@ -81,6 +81,10 @@ def command_group(world: int, device: str) -> tuple[Group, Workers | None]:
     """Join the group of a command run with `--tp world`: torchrun's, or one whose other ranks this process starts
     now (then it is rank 0). Each CPU rank computes with its share of the cores (at least one thread)."""
     check_ranks(world, device)
+    cores = os.cpu_count() or 1
+    if device == "cpu" and world > cores and rank_of_this_command() == 0:  # runs, but the ranks take turns
+        print(f"minillm: note: {world} ranks share {cores} cores: each rank computes on a core some of the time, and "
+              f"every all-reduce waits for the slowest (one process is faster here; lesson 20)", file=sys.stderr)
     workers = None if launched_world() else Workers(world, ["-m", main_module(), *sys.argv[1:]])
     group = join(device)  # a server's idle rank 0 says it is there every minute (`AsyncEngine`): 600 s is ample
     if device.startswith("cuda"):
