@@ -710,3 +710,72 @@ def test_an_interrupted_gguf_copy_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         gguf_as(source, "F32")
     assert list((tmp_path / "home" / "llama.cpp").iterdir()) == []
+
+
+# --- K-quants and Q5 blocks, decoded by hand (a Q4_K_M file's blocks). -----------------------------------------------
+
+def random_blocks(kind: str, rows: int, blocks: int, seed: int) -> np.ndarray:
+    """Rows of random `kind` blocks whose float16 fields hold finite scales (random bytes elsewhere: every code)."""
+    from minillm.speed.kquants import KQUANT_BLOCK
+
+    rng = np.random.default_rng(seed)
+    size = KQUANT_BLOCK[kind][1]
+    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    fields = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}[kind]
+    for at in fields:
+        data[:, :, at:at + 2] = rng.uniform(-0.2, 0.2, (rows, blocks)).astype(np.float16).view(np.uint8).reshape(
+            rows, blocks, 2)
+    return data.reshape(rows, blocks * size)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_k_quant_blocks_decode_by_hand_exactly_as_the_gguf_package(kind, seed):
+    from gguf import GGMLQuantizationType, quants
+
+    from minillm.speed.kquants import decode_kquant, dequantize_kquant
+
+    data = random_blocks(kind, rows=4, blocks=3, seed=seed)
+    ours = dequantize_kquant(data, kind)
+    assert np.array_equal(ours, quants.dequantize(data, getattr(GGMLQuantizationType, kind)))  # bit for bit
+    codes, scale, offset = decode_kquant(data, kind)
+    low, high = {"Q4_K": (0, 15), "Q6_K": (-32, 31), "Q5_0": (-16, 15), "Q5_1": (0, 31)}[kind]
+    assert codes.min() >= low and codes.max() <= high and (codes.min(), codes.max()) == (low, high)  # every code
+    group = codes.shape[1] // scale.shape[1]
+    assert group == (16 if kind == "Q6_K" else 32) and (offset is None) == (kind in ("Q6_K", "Q5_0"))
+
+
+def test_q4_k_scales_and_mins_unpack_as_llama_cpp_packs_them():
+    """Brute force over llama.cpp's `get_scale_min_k4`, written as it is in C, for random 12-byte fields."""
+    from minillm.speed.kquants import q4_k_scales_and_mins
+
+    packed = np.random.default_rng(7).integers(0, 256, (50, 12), dtype=np.uint8)
+    scales, mins = q4_k_scales_and_mins(packed)
+    for row, q in enumerate(packed.astype(int)):
+        for j in range(8):
+            if j < 4:
+                d, m = q[j] & 63, q[j + 4] & 63
+            else:
+                d, m = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+            assert (scales[row, j], mins[row, j]) == (d, m)
+
+
+@pytest.mark.slow
+def test_every_k_quant_and_q5_matrix_of_gemma3_270m_decodes_as_the_gguf_package():
+    """The course's own Q4_K_M file: its Q4_K, Q6_K and Q5_0 matrices (the last where rows are not a multiple of
+    256), each decoded by hand equal to the `gguf` package's reading, weight for weight."""
+    from gguf import GGUFReader, quants
+
+    from minillm.model.loading import gemma3_source, resolve_checkpoint_folder
+    from minillm.speed.kquants import KQUANT_BLOCK, dequantize_kquant
+
+    resolve_checkpoint_folder("gemma3-270m")  # fetches the file on first use
+    seen = set()
+    for tensor in GGUFReader(gemma3_source().path).tensors:
+        kind = tensor.tensor_type.name
+        if kind in KQUANT_BLOCK:
+            data = np.asarray(tensor.data)
+            assert np.array_equal(dequantize_kquant(data, kind), quants.dequantize(data, tensor.tensor_type)), \
+                tensor.name
+            seen.add(kind)
+    assert seen == {"Q4_K", "Q6_K", "Q5_0"}
