@@ -48,11 +48,12 @@ from minillm.speed.quant import (
     quantize_rows_int8,
 )
 from minillm.speed.quant_gguf import (
+    BLOCK_BYTES,
     decode_blocks,
     dequantize_blocks,
     encode_blocks,
     int4_linear_from_blocks,
-    int8_linear_from_q8_0,
+    int8_linear_from_blocks,
 )
 import minillm.speed.quant_widen as quant_widen
 from minillm.speed.quant_widen import EXACT_K, int4_block, int8_product, scratch, unpack_int4, widens
@@ -305,7 +306,7 @@ def test_kernels_refuse_what_they_cannot_run():
         quantize_model(model, "int3")
     with pytest.raises(QuantizationError, match="calibration_tokens"):
         quantize_model(model, "static-int8")
-    with pytest.raises(QuantizationError, match="is Q8_0: the int4 kernel runs Q4_0 and Q4_1"):
+    with pytest.raises(QuantizationError, match=r"is Q8_0: the int4 kernel runs 4-bit blocks \(Q4_0, Q4_1, Q4_K\)"):
         int4_linear_from_blocks(encode_blocks(np.ones((16, 32), np.float32), "Q8_0"), "Q8_0")
     with pytest.raises(QuantizationError, match="MX blocks of 32 do not divide"):
         mx_encode(torch.ones(2, 48), "mxfp4")
@@ -586,7 +587,7 @@ def test_q8_0_head_becomes_int8_rows_within_half_a_step():
     w = np.random.default_rng(2).standard_normal((64, 96)).astype(np.float32)
     w[:, :32] *= 10  # one block per row much larger: per-row int8 steps are coarser than its other blocks'
     blocks = encode_blocks(w, "Q8_0")
-    head = int8_linear_from_q8_0(blocks, compute_dtype=torch.float32, rows_per_chunk=16)
+    head = int8_linear_from_blocks([(blocks, "Q8_0")], compute_dtype=torch.float32, rows_per_chunk=16)
     decoded = torch.from_numpy(dequantize_blocks(blocks, "Q8_0"))
     step = decoded.abs().amax(1, keepdim=True) / 127
     assert ((head.dequantized_weight() - decoded).abs() <= step / 2 + 1e-6).all()
@@ -779,3 +780,55 @@ def test_every_k_quant_and_q5_matrix_of_gemma3_270m_decodes_as_the_gguf_package(
                 tensor.name
             seen.add(kind)
     assert seen == {"Q4_K", "Q6_K", "Q5_0"}
+
+
+def test_a_q4_k_m_file_runs_its_4_bit_blocks_code_for_code_and_its_wider_ones_as_int8_rows(tmp_path):
+    """A llama-architecture GGUF laid out as llama.cpp's Q4_K_M lays out the default model (random blocks): q/k/v
+    mixing Q5_0 and Q8_0, gate and up Q4_K, down Q6_K, the output projection Q4_K, the head Q6_K. Each 4-bit matrix
+    reads back through the int4 kernel as its blocks decode by hand (rotary rows unpermuted as the loader does), to
+    float32 rounding; each other one within half an int8 step of them."""
+    import gguf
+
+    from minillm.model.gguf import unpermute_rope
+    from minillm.speed.kquants import KQUANT_BLOCK, dequantize_kquant
+    from minillm.speed.quant_gguf import use_gguf_weights
+
+    config = ModelConfig(vocab_size=96, context_length=64, n_layer=1, n_head=4, n_kv_head=2, d_model=256, d_ff=512,
+                         norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, qkv_bias=False,
+                         tie_embeddings=False)
+    model = init_weights(Transformer(config), seed=0).eval()
+    layout = {"attn_q": ("Q5_0", 256, 256), "attn_k": ("Q5_0", 128, 256), "attn_v": ("Q8_0", 128, 256),
+              "attn_output": ("Q4_K", 256, 256), "ffn_gate": ("Q4_K", 512, 256), "ffn_up": ("Q4_K", 512, 256),
+              "ffn_down": ("Q6_K", 256, 512)}
+    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    stored = {}
+    for i, (name, (kind, n, k)) in enumerate([*layout.items(), ("output", ("Q6_K", 96, 256))]):
+        weights, size = KQUANT_BLOCK.get(kind, (32, BLOCK_BYTES.get(kind)))
+        if kind == "Q8_0":
+            data = encode_blocks(np.random.default_rng(i).standard_normal((n, k)).astype(np.float32), "Q8_0")
+        else:
+            data = random_blocks(kind, rows=n, blocks=k // weights, seed=i)
+        tensor = name if name == "output" else f"blk.0.{name}"
+        writer.add_tensor(f"{tensor}.weight", data, raw_shape=data.shape, raw_dtype=getattr(gguf.GGMLQuantizationType,
+                                                                                             kind))
+        heads = {"attn_q": 4, "attn_k": 2}.get(name)
+        rows = unpermute_rope(data, heads) if heads else data
+        stored[name] = dequantize_kquant(rows, kind) if kind in KQUANT_BLOCK else dequantize_blocks(rows, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    native = use_gguf_weights(copy.deepcopy(model), tmp_path / "tiny.gguf", compute_dtype=torch.float32)
+    expected = {"blocks.0.attn.qkv": np.concatenate([stored["attn_q"], stored["attn_k"], stored["attn_v"]]),
+                "blocks.0.attn.proj": stored["attn_output"], "blocks.0.mlp.fc": np.concatenate(
+                    [stored["ffn_gate"], stored["ffn_up"]]), "blocks.0.mlp.proj": stored["ffn_down"],
+                "lm_head": stored["output"]}
+    for name, weight in expected.items():
+        linear, weight = native.get_submodule(name), torch.from_numpy(weight)
+        four_bit = name in ("blocks.0.attn.proj", "blocks.0.mlp.fc")
+        assert type(linear).__name__ == ("Int4WeightLinear" if four_bit else "Int8WeightLinear"), name
+        if four_bit:  # code for code: (q − 8)·scale + zero rounds apart from scale·q + offset, by float32 ulps
+            torch.testing.assert_close(linear.dequantized_weight(), weight, rtol=1e-6, atol=1e-5)
+        else:
+            step = weight.abs().amax(1, keepdim=True) / 127
+            assert ((linear.dequantized_weight() - weight).abs() <= step * (0.5 + 1e-5)).all(), name

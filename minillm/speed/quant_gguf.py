@@ -17,6 +17,13 @@ into the int8 kernel's one scale per row, requantizing from the decoded blocks (
 chunk): int8 per row costs about one more rounding than Q8_0's per-32 scales (measured
 in the lesson), and keeps the head at one byte per weight instead of four.
 
+A Q4_K_M file (`minillm.speed.kquants`) goes the same two ways: its Q4_K sub-blocks are
+groups of 32 with scale d·scale_j and zero 8·d·scale_j − dmin·min_j, code for code on the
+int4 kernel; its wider blocks (Q6_K, and the Q5_0 / Q5_1 llama.cpp falls back to where a
+row is not a multiple of 256) have no 4-bit form and go to int8 rows like Q8_0. A fused
+matrix whose parts are stored in different types (the default model's q/k/v in a Q4_K_M:
+Q5_0 and Q8_0) goes to int8 rows whole, unless every part is 4-bit.
+
 The block codecs here (`encode_blocks`, `decode_blocks`) are written out from the
 format and checked bit-exact against the `gguf` package's own.
 """
@@ -32,12 +39,14 @@ from tqdm.auto import tqdm
 
 from ..model.gguf import read_gguf, unpermute_rope
 from ..model.loading import DEFAULT_ALIASES, default_gguf_path
+from .kquants import KQUANT_BLOCK, decode_kquant, dequantize_kquant
 from .quant import Int4WeightLinear, Int8WeightLinear, QuantizationError, check_int4_shape, quantize_int4_groupwise
 from .quantize_model import quantize_model, replace_module
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-NATIVE_INT4 = ("Q4_0", "Q4_1")
+NATIVE_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit codes with a scale and zero per 32 weights: the int4 kernel's own
+INT8_ROWS = ("Q8_0", "Q5_0", "Q5_1", "Q6_K")  # wider codes: the int8 kernel, each row requantized from its blocks
 
 
 # ------------------------------------------------------------------ block codecs
@@ -117,28 +126,58 @@ def encode_blocks(weight: np.ndarray, kind: str) -> np.ndarray:
 # ------------------------------------------------------------------ GGUF matrices -> kernels
 
 
+def matrix_shape(data: np.ndarray, kind: str) -> tuple[int, int]:
+    """The [N, K] matrix raw rows of `kind` blocks hold."""
+    weights, size = (BLOCK, BLOCK_BYTES[kind]) if kind in BLOCK_BYTES else KQUANT_BLOCK[kind]
+    return data.shape[0], data.shape[1] // size * weights
+
+
+def decoded(data: np.ndarray, kind: str) -> np.ndarray:
+    """Raw rows of any block type minillm reads -> float32 [N, K]."""
+    return dequantize_blocks(data, kind) if kind in BLOCK_BYTES else dequantize_kquant(data, kind)
+
+
+def int4_codes(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """4-bit rows -> (codes [N, K], scale, zero [N, K / 32]) with w = (q − 8)·scale + zero, as the kernel computes:
+    Q4_1 zero = m + 8·d, Q4_0 zero 0, Q4_K scale = d·scale_j and zero = 8·d·scale_j − dmin·min_j."""
+    if kind == "Q4_K":
+        q, scale, offset = decode_kquant(data, kind)
+        return q, scale, offset + 8 * scale
+    q, d, m = decode_blocks(data, kind)
+    return q, d, d * 8 + m if m is not None else np.zeros_like(d)
+
+
 def int4_linear_from_blocks(data: np.ndarray, kind: str, compute_dtype=torch.bfloat16,
                             name: str = "weight") -> Int4WeightLinear:
-    """Q4_0 / Q4_1 rows -> the int4 kernel, code for code: scale = d, zero = m + 8·d (Q4_1) or 0 (Q4_0)."""
-    if kind not in NATIVE_INT4:
-        raise QuantizationError(f"{name} is {kind}: the int4 kernel runs Q4_0 and Q4_1 blocks natively; "
-                                f"use --quant int4 to requantize the model instead")
-    q, d, m = decode_blocks(data, kind)
+    """4-bit rows (Q4_0, Q4_1, Q4_K) -> the int4 kernel, code for code (`int4_codes`)."""
+    return int4_linear_from_parts([(data, kind)], compute_dtype, name)
+
+
+def int4_linear_from_parts(parts: list[tuple[np.ndarray, str]], compute_dtype=torch.bfloat16,
+                           name: str = "weight") -> Int4WeightLinear:
+    """Stacked 4-bit matrices (q/k/v, gate/up), each in its own block type, as one int4 linear."""
+    for _, kind in parts:
+        if kind not in NATIVE_INT4:
+            raise QuantizationError(f"{name} is {kind}: the int4 kernel runs 4-bit blocks ({', '.join(NATIVE_INT4)}) "
+                                    f"natively; use --quant int4 to requantize the model instead")
+    q, scale, zero = (np.concatenate(column) for column in zip(*(int4_codes(data, kind) for data, kind in parts)))
     check_int4_shape(q.shape[0], q.shape[1], BLOCK, name)
-    zero = d * 8 + m if m is not None else np.zeros_like(d)
-    return Int4WeightLinear(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero), None, compute_dtype)
+    return Int4WeightLinear(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero), None, compute_dtype)
 
 
-def int8_linear_from_q8_0(data: np.ndarray, compute_dtype=torch.bfloat16,
-                          rows_per_chunk: int = 4096) -> Int8WeightLinear:
-    """Q8_0 rows -> the int8 kernel's one scale per row, decoding a chunk of rows at a time.
+def int8_linear_from_blocks(parts: list[tuple[np.ndarray, str]], compute_dtype=torch.bfloat16,
+                            rows_per_chunk: int = 4096) -> Int8WeightLinear:
+    """Rows of any block types (stacked in order) -> the int8 kernel's one scale per row, decoding a chunk of rows
+    at a time.
 
-    The kernel has no per-block scales, so each row is requantized: s = max |d_b·q| / 127,
-    q' = round(d_b·q / s). A row whose blocks share one d keeps its codes exactly.
+    The kernel has no per-block scales, so each row is requantized: s = max |w| / 127,
+    q' = round(w / s). A Q8_0 row whose blocks share one d keeps its codes exactly.
     """
     codes, scales = [], []
-    for start in range(0, data.shape[0], rows_per_chunk):
-        w = torch.from_numpy(dequantize_blocks(data[start:start + rows_per_chunk], "Q8_0"))
+    chunks = [(data[start:start + rows_per_chunk], kind) for data, kind in parts
+              for start in range(0, data.shape[0], rows_per_chunk)]
+    for data, kind in chunks:
+        w = torch.from_numpy(decoded(data, kind))
         scale = w.abs().amax(dim=1) / 127
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes.append(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
@@ -161,12 +200,13 @@ def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torc
                      head: str = "int8") -> nn.Module:
     """Swap a loaded llama-architecture model's linears for the GGUF's own blocks, in place; returns the model.
 
-    Each Q4_0/Q4_1 matrix goes to the int4 kernel as it is stored; q and k rows are put
-    back in Hugging Face's rotary order (a row permutation: blocks lie within rows, so
-    whole blocks move), and the q/k/v and gate/up matrices are stacked as `model.py` fuses
-    them. The Q8_0 head goes to the int8 kernel (see the module docstring), or with
+    Each matrix stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) goes to the int4 kernel as it is
+    stored; one in wider blocks (Q8_0, Q5_0, Q5_1, Q6_K) to the int8 kernel's rows (see the
+    module docstring); q and k rows are put back in Hugging Face's rotary order (a row
+    permutation: blocks lie within rows, so whole blocks move), and the q/k/v and gate/up
+    matrices are stacked as `model.py` fuses them. The head goes to int8 rows, or with
     `head="int4"` to int4 groups of 32 requantized from its decoded rows (faster, less
-    exact), or with "none" stays as loaded (the 4-bit matrices alone). Everything else
+    exact), or with "none" stays as loaded (the block matrices alone). Everything else
     (norms, the embedding lookup) stays as loaded. Every tensor is checked before any
     linear is replaced.
     """
@@ -184,49 +224,52 @@ def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torc
         data = np.asarray(t.data)
         return (unpermute_rope(data, heads) if heads else data), t.tensor_type.name
 
-    def stacked(*parts: tuple[np.ndarray, str], name: str) -> tuple[np.ndarray, str]:
-        kinds = {kind for _, kind in parts}
-        if len(kinds) > 1:
-            raise QuantizationError(f"{name}: the stacked matrices mix block types {sorted(kinds)}; use --quant int4")
-        return np.concatenate([data for data, _ in parts]), kinds.pop()
-
-    plan = []  # (module name, raw rows, block type)
+    plan = []  # (module name, [(raw rows, block type), ...] stacked in order)
     for i in range(config.n_layer):
         b = f"blk.{i}."
         plan += [
-            (f"blocks.{i}.attn.qkv", *stacked(rows(b + "attn_q.weight", config.n_head),
-                                              rows(b + "attn_k.weight", config.kv_heads),
-                                              rows(b + "attn_v.weight"), name=f"blocks.{i}.attn.qkv")),
-            (f"blocks.{i}.attn.proj", *rows(b + "attn_output.weight")),
-            (f"blocks.{i}.mlp.fc", *stacked(rows(b + "ffn_gate.weight"), rows(b + "ffn_up.weight"),
-                                            name=f"blocks.{i}.mlp.fc")),
-            (f"blocks.{i}.mlp.proj", *rows(b + "ffn_down.weight")),
+            (f"blocks.{i}.attn.qkv", [rows(b + "attn_q.weight", config.n_head),
+                                      rows(b + "attn_k.weight", config.kv_heads), rows(b + "attn_v.weight")]),
+            (f"blocks.{i}.attn.proj", [rows(b + "attn_output.weight")]),
+            (f"blocks.{i}.mlp.fc", [rows(b + "ffn_gate.weight"), rows(b + "ffn_up.weight")]),
+            (f"blocks.{i}.mlp.proj", [rows(b + "ffn_down.weight")]),
         ]
     if head not in ("int8", "int4", "none"):
         raise QuantizationError(f"unknown head {head!r}: use int8, int4 or none")
     if head != "none":
-        plan.append(("lm_head", *rows("output.weight" if "output.weight" in tensors else "token_embd.weight")))
-    for name, data, kind in plan:
+        plan.append(("lm_head", [rows("output.weight" if "output.weight" in tensors else "token_embd.weight")]))
+    for name, parts in plan:
         linear = model.get_submodule(name)
-        if kind not in (*NATIVE_INT4, "Q8_0"):
-            raise QuantizationError(f"{name} is stored as {kind}: --quant gguf runs Q4_0/Q4_1 (and a Q8_0 head) "
-                                    f"natively; use --quant int4 to requantize this model")
-        shape = (data.shape[0], data.shape[1] // BLOCK_BYTES[kind] * BLOCK)
-        if shape != (linear.out_features, linear.in_features):
+        for _, kind in parts:
+            if kind not in (*NATIVE_INT4, *INT8_ROWS):
+                raise QuantizationError(f"{name} is stored as {kind}: --quant gguf runs {', '.join(NATIVE_INT4)} "
+                                        f"blocks on the int4 kernel and {', '.join(INT8_ROWS)} on the int8 kernel; "
+                                        f"use --quant int4 to requantize this model")
+        shapes = [matrix_shape(data, kind) for data, kind in parts]
+        shape = (sum(n for n, _ in shapes), shapes[0][1])
+        if shape != (linear.out_features, linear.in_features) or len({k for _, k in shapes}) > 1:
             raise QuantizationError(f"{name}: the GGUF holds a {list(shape)} matrix but the model has "
                                     f"{[linear.out_features, linear.in_features]}; load the model this GGUF belongs to")
-        if kind in NATIVE_INT4:
+        if runs_int4(name, parts, head):
             check_int4_shape(*shape, BLOCK, name)
-    for name, data, kind in tqdm(plan, desc="GGUF blocks -> kernels", unit="linear", leave=False):
-        if kind == "Q8_0" and head == "int4":
-            new = Int4WeightLinear(*quantize_int4_groupwise(torch.from_numpy(dequantize_blocks(data, kind)), BLOCK),
-                                   None, compute_dtype)
-        elif kind == "Q8_0":
-            new = int8_linear_from_q8_0(data, compute_dtype)
+    for name, parts in tqdm(plan, desc="GGUF blocks -> kernels", unit="linear", leave=False):
+        if name == "lm_head" and head == "int4":  # requantized from the decoded rows: faster, less exact
+            w = torch.from_numpy(np.concatenate([decoded(data, kind) for data, kind in parts]))
+            new = Int4WeightLinear(*quantize_int4_groupwise(w, BLOCK), None, compute_dtype)
+        elif runs_int4(name, parts, head):
+            new = int4_linear_from_parts(parts, compute_dtype, name)
         else:
-            new = int4_linear_from_blocks(data, kind, compute_dtype, name)
+            new = int8_linear_from_blocks(parts, compute_dtype)
         replace_module(model, name, new)
     return model
+
+
+def runs_int4(name: str, parts: list[tuple[np.ndarray, str]], head: str) -> bool:
+    """Whether a matrix goes to the int4 kernel code for code: every part stored in 4-bit blocks (a fused matrix
+    whose parts mix 4-bit and wider blocks goes to int8 rows whole); the head as `head` says."""
+    if name == "lm_head" and head == "int4":
+        return True
+    return all(kind in NATIVE_INT4 for _, kind in parts)
 
 
 def apply_quantization(model: nn.Module, method: str, name_or_path: str) -> nn.Module:
@@ -242,4 +285,5 @@ def apply_quantization(model: nn.Module, method: str, name_or_path: str) -> nn.M
 
 
 __all__ = ["apply_quantization", "BLOCK_BYTES", "decode_blocks", "dequantize_blocks", "encode_blocks",
-           "int4_linear_from_blocks", "int8_linear_from_q8_0", "gguf_path_for", "use_gguf_weights"]
+           "int4_linear_from_blocks", "int4_linear_from_parts", "int8_linear_from_blocks", "gguf_path_for",
+           "use_gguf_weights"]
