@@ -613,7 +613,8 @@ def test_cli_quant_refuses_what_it_cannot_map(capsys):
     from minillm.infer import main
     from minillm.speed.quant_gguf import apply_quantization
 
-    with pytest.raises(QuantizationError, match="'./my-folder' is not a GGUF: use --model default or a .gguf path"):
+    with pytest.raises(QuantizationError,
+                       match="'./my-folder' is not a GGUF: use --model default, gemma3-270m or a .gguf path"):
         apply_quantization(tiny_llama(), "gguf", "./my-folder")
     assert main(["--prompt", "hi", "--quant", "int3"]) == 2
     assert "invalid choice: 'int3'" in capsys.readouterr().err
@@ -832,3 +833,30 @@ def test_a_q4_k_m_file_runs_its_4_bit_blocks_code_for_code_and_its_wider_ones_as
         else:
             step = weight.abs().amax(1, keepdim=True) / 127
             assert ((linear.dequantized_weight() - weight).abs() <= step * (0.5 + 1e-5)).all(), name
+
+
+@pytest.mark.slow
+def test_gemma3_270m_runs_its_q4_k_m_file_natively():
+    """Gemma 3 270M's own file: its Q4_K matrices (the attention outputs) run on the int4 kernel code for code, the
+    Q5_0 / Q6_K / Q8_0 ones on int8 rows; its rotary rows are not permuted (llama.cpp permutes llama's only)."""
+    from minillm import load_model
+    from minillm.model.gguf import read_gguf
+    from minillm.speed.kquants import dequantize_kquant
+    from minillm.speed.quant_gguf import gguf_path_for, use_gguf_weights
+
+    model, _ = load_model("gemma3-270m", dtype="float32", fast=False)
+    path = gguf_path_for("gemma3-270m")
+    native = use_gguf_weights(copy.deepcopy(model), path, compute_dtype=torch.float32)
+    tensors = {t.name: t for t in read_gguf(path)[0].tensors}
+    parts = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.proj": ("attn_output",),
+             "mlp.fc": ("ffn_gate", "ffn_up"), "mlp.proj": ("ffn_down",)}
+    for i in range(model.config.n_layer):
+        for module, names in parts.items():
+            stored_kinds = {tensors[f"blk.{i}.{name}.weight"].tensor_type.name for name in names}
+            four_bit = stored_kinds <= {"Q4_K"}
+            assert type(native.get_submodule(f"blocks.{i}.{module}")).__name__ == \
+                ("Int4WeightLinear" if four_bit else "Int8WeightLinear"), (i, module, stored_kinds)
+    assert type(native.lm_head).__name__ == "Int8WeightLinear"
+    stored = torch.from_numpy(dequantize_kquant(np.asarray(tensors["blk.3.attn_output.weight"].data), "Q4_K"))
+    torch.testing.assert_close(native.blocks[3].attn.proj.dequantized_weight(), stored, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.blocks[3].attn.proj.weight, stored, rtol=0, atol=0)  # the loader's own reading

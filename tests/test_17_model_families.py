@@ -21,7 +21,7 @@ from minillm.model.checkpoint import config_from_hf
 from minillm.model.families import FAMILIES
 from minillm.model.fetch import AssembledFile, FetchError, ModelLoadError, PackagedFile
 from minillm.model.loading import GEMMA3_PARTS, resolve_checkpoint_folder
-from minillm.model.tiny import FAMILY_KINDS, TINY_WINDOW, tiny_pair
+from minillm.model.tiny import FAMILY_KINDS, MOE_KINDS, TINY_WINDOW, tiny_pair
 from minillm.model.transformer import SlidingWindow, Transformer
 from minillm.strategies.beam import beam_search
 from minillm.strategies.drafters import PromptLookup
@@ -36,7 +36,7 @@ def random_tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module", params=FAMILY_KINDS)
+@pytest.fixture(scope="module", params=FAMILY_KINDS + MOE_KINDS)
 def family(request):
     return tiny_pair(request.param)
 

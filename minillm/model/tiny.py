@@ -19,7 +19,8 @@ from .transformer import Transformer
 TINY_KINDS = ("gpt2", "llama", "qwen2")
 # Lesson 17's families, each with every switch it brings turned on and a sliding window (8)
 # shorter than the prompts the checks use.
-FAMILY_KINDS = ("gemma3", "gemma2", "qwen3", "qwen3_moe", "mistral", "phi3", "opt", "opt-pre", "gptj")
+FAMILY_KINDS = ("gemma3", "gemma2", "qwen3", "mistral", "phi3", "opt", "opt-pre", "gptj")
+MOE_KINDS = ("qwen3_moe",)  # mixtures of experts (lesson 17's next families), built like FAMILY_KINDS
 TINY_WINDOW = 8
 
 
@@ -46,11 +47,12 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, vocab_size: int = 96, cont
             model = tf.LlamaForCausalLM(tf.LlamaConfig(rope_theta=10000.0, **common))
         else:
             model = tf.Qwen2ForCausalLM(tf.Qwen2Config(rope_theta=1000000.0, **common))
-    elif kind in FAMILY_KINDS:
+    elif kind in FAMILY_KINDS + MOE_KINDS:
         model = tiny_family_model(kind, vocab_size, context_length)
         return randomized(model, gemma=kind.startswith("gemma")).eval()
     else:
-        raise ValueError(f"unknown tiny model kind {kind!r}: use one of {', '.join(TINY_KINDS + FAMILY_KINDS)}")
+        raise ValueError(f"unknown tiny model kind {kind!r}: use one of "
+                         f"{', '.join(TINY_KINDS + FAMILY_KINDS + MOE_KINDS)}")
     # Random init gives tiny logits; scale weights up a little so argmax is not decided by noise.
     with torch.no_grad():
         for p in model.parameters():

@@ -38,7 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..model.gguf import read_gguf, unpermute_rope
-from ..model.loading import DEFAULT_ALIASES, default_gguf_path
+from ..model.loading import DEFAULT_ALIASES, GEMMA3_MODEL, default_gguf_path, gemma3_source, resolve_checkpoint_folder
 from .kquants import KQUANT_BLOCK, decode_kquant, dequantize_kquant
 from .quant import Int4WeightLinear, Int8WeightLinear, QuantizationError, check_int4_shape, quantize_int4_groupwise
 from .quantize_model import quantize_model, replace_module
@@ -47,6 +47,9 @@ BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 NATIVE_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit codes with a scale and zero per 32 weights: the int4 kernel's own
 INT8_ROWS = ("Q8_0", "Q5_0", "Q5_1", "Q6_K")  # wider codes: the int8 kernel, each row requantized from its blocks
+# The GGUF architectures mapped here, and whether llama.cpp's converter permuted their q/k rows for its rotary kernel
+# (llama: yes; gemma3: no, its rows keep Hugging Face's order).
+ROPE_PERMUTED = {"llama": True, "gemma3": False}
 
 
 # ------------------------------------------------------------------ block codecs
@@ -189,10 +192,13 @@ def gguf_path_for(name_or_path: str) -> Path:
     """The GGUF file a model name stands for: the default model's, or a .gguf path given directly."""
     if name_or_path in DEFAULT_ALIASES:
         return default_gguf_path()
+    if name_or_path == GEMMA3_MODEL:
+        resolve_checkpoint_folder(name_or_path)  # fetched (and its split parts joined) on first use
+        return gemma3_source().path
     if str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
         return Path(name_or_path)
     raise QuantizationError(f"--quant gguf runs a GGUF file's own blocks, and {name_or_path!r} is not a GGUF: "
-                            f"use --model default or a .gguf path, or --quant int4 to quantize this model")
+                            f"use --model default, {GEMMA3_MODEL} or a .gguf path, or --quant int4 to quantize this model")
 
 
 @torch.no_grad()
@@ -211,9 +217,11 @@ def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torc
     linear is replaced.
     """
     reader, meta = read_gguf(Path(gguf_path))
-    if meta.get("general.architecture") != "llama":
-        raise QuantizationError(f"{gguf_path} is a {meta.get('general.architecture')!r} GGUF: --quant gguf maps "
-                                f"llama-architecture files; use --quant int4 for this model")
+    architecture = meta.get("general.architecture")
+    if architecture not in ROPE_PERMUTED:
+        raise QuantizationError(f"{gguf_path} is a {architecture!r} GGUF: --quant gguf maps "
+                                f"{' and '.join(ROPE_PERMUTED)} files; use --quant int4 for this model")
+    permuted = ROPE_PERMUTED[architecture]
     tensors = {t.name: t for t in reader.tensors}
     config = model.config
 
@@ -222,7 +230,7 @@ def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torc
             raise QuantizationError(f"{gguf_path} lacks tensor {name}: it is not this model's GGUF")
         t = tensors[name]
         data = np.asarray(t.data)
-        return (unpermute_rope(data, heads) if heads else data), t.tensor_type.name
+        return (unpermute_rope(data, heads) if heads and permuted else data), t.tensor_type.name
 
     plan = []  # (module name, [(raw rows, block type), ...] stacked in order)
     for i in range(config.n_layer):
