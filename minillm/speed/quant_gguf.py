@@ -198,7 +198,8 @@ def gguf_path_for(name_or_path: str) -> Path:
     if str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
         return Path(name_or_path)
     raise QuantizationError(f"--quant gguf runs a GGUF file's own blocks, and {name_or_path!r} is not a GGUF: "
-                            f"use --model default, {GEMMA3_MODEL} or a .gguf path, or --quant int4 to quantize this model")
+                            f"use --model default, {GEMMA3_MODEL} or a .gguf path, or --quant int4 to quantize this "
+                            f"model")
 
 
 @torch.no_grad()
