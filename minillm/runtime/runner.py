@@ -45,8 +45,6 @@ session's job (`minillm.runtime.session`); the paged cache's are the block manag
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
@@ -66,17 +64,6 @@ CACHES = ("static", "dynamic", "none", "paged")
 # to the other ranks first (`minillm.parallel.follow`), whose sessions then hold the same positions of their heads.
 SESSION_CALLS = frozenset({"prefill", "extend", "rollback", "keep_positions", "select"})
 GRAPHS = ("eager", "compiled", "auto", "onnx")
-
-
-def kept_verify_holding(compiled, shape: StepShape) -> StepShape | None:
-    """The smallest verify step kept intact on disk for `shape`'s rows and cache length that holds more tokens than
-    `shape` (a draft is padded to it: `CompiledModel.verify_length`), or None: a run drafting 4 tokens verifies
-    through the default build's 9-token graph rather than eagerly."""
-    for tokens in range(shape.tokens + 1, compiled.chunk + 1):
-        wider = dataclasses.replace(shape, tokens=tokens, logits=tokens)
-        if compiled.kept_problem(wider) is None:
-            return wider
-    return None
 
 
 class ModelRunner:
@@ -120,7 +107,7 @@ class ModelRunner:
             kept = compile_model(model, kept=True) if eligible else None
             problems = list(map(kept.kept_problem, shapes)) if eligible else []
             if eligible and len(shapes) > 1 and problems[1] == "missing":  # a longer kept verify graph serves too
-                shapes[1] = kept_verify_holding(kept, shapes[1]) or shapes[1]
+                shapes[1] = kept.kept_verify_holding(shapes[1]) or shapes[1]
                 problems[1] = kept.kept_problem(shapes[1])
             # The decode graph decides; a verify graph not built leaves speculative rounds that draft to the
             # eager forward over the same cache, while the plain steps between them still run compiled.

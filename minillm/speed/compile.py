@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
@@ -110,6 +111,16 @@ class CompiledModel:
         """None when an intact kept package for `shape` is on disk (so `prepare` would load rather than build it);
         else "missing", or what is damaged."""
         return kept_problem(self.model, shape, self.settings_for(shape))
+
+    def kept_verify_holding(self, shape: StepShape) -> StepShape | None:
+        """The smallest verify step kept intact on disk for `shape`'s rows and cache length that holds more tokens
+        than `shape` (a draft is padded to it: `verify_length`), or None: a run drafting 4 tokens verifies through
+        the default build's 9-token graph rather than eagerly."""
+        for tokens in range(shape.tokens + 1, self.chunk + 1):
+            wider = replace(shape, tokens=tokens, logits=tokens)
+            if self.kept_problem(wider) is None:
+                return wider
+        return None
 
     def matmuls_for(self, shape: StepShape | PagedShape) -> str:
         """The kernels that run the matmuls of the step of `shape`: the choice given, or `matmul_kernels`' for the
