@@ -37,6 +37,7 @@ from ..base.ports import free_port
 from .server import ServerProcess
 
 FILE_TYPES = {"F32": 0, "Q8_0": 7}  # general.file_type: llama.cpp's LLAMA_FTYPE_ALL_F32, _MOSTLY_Q8_0
+LLAMA_FILE_TYPES = {"Q4_K_M": 15}  # what llama.cpp's quantizer makes: its LLAMA_FTYPE_MOSTLY_Q4_K_M
 # What llama-cpp-python's [server] extra adds, at versions that run beside requirements.txt's fastapi and uvicorn
 SERVER_EXTRAS = "sse-starlette==3.7.0 starlette-context==0.3.6 pydantic-settings==2.16.3"
 
@@ -79,6 +80,30 @@ def server_process(gguf: Path, threads: int, context: int = 2048) -> ServerProce
                           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(context),
                           "--n_threads", str(threads), "--n_threads_batch", str(threads),
                           "--interrupt_requests", "False"], port)
+
+
+def quantized_by_llama_cpp(source: Path, file_type: str = "Q4_K_M") -> Path:
+    """`source` requantized by llama.cpp's own quantizer (`llama_model_quantize`, from its F32 copy), converted once
+    and cached: a file as llama.cpp users make and download them, mixing block types (a Q4_K_M of the default model
+    keeps Q4_K only where a row is a multiple of 256, and falls back to Q5_0, Q6_K and Q8_0 elsewhere)."""
+    import ctypes
+
+    import llama_cpp
+
+    target = minillm_home() / "llama.cpp" / f"{source.stem}.{file_type}.gguf"
+    if target.is_file() and target.stat().st_mtime >= source.stat().st_mtime:
+        return target
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FILE_TYPES[file_type]
+    partial = temporary_path(target)
+    try:
+        if llama_cpp.llama_model_quantize(str(gguf_as(source, "F32")).encode(), str(partial).encode(),
+                                          ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp's quantizer failed to write {file_type} from {source.name}")
+        partial.replace(target)
+    finally:
+        remove(partial)
+    return target
 
 
 def gguf_as(source: Path, tensor_type: str) -> Path:

@@ -8,8 +8,10 @@ then streams tokens. This suite runs exactly those commands, each in a fresh pro
     minillm compiled         the same without --eager: the kept decode graph, built beforehand
                              by `python -m minillm.compile` (that first build is timed too)
     ... --quant int8 / gguf  the same two, on the quantized linears (lesson 14)
+    ... q4_k_m               the same two with --quant gguf on a Q4_K_M of the model that
+                             llama.cpp's own quantizer makes (its K-quant and fallback blocks)
     llama.cpp F32/Q8_0/Q4_1  a process that loads the same weights with llama-cpp-python and
-                             streams the same number of tokens (skipped when not installed)
+    /Q4_K_M                  streams the same number of tokens (skipped when not installed)
     ... long-prompt          float32 eager, compiled and llama.cpp F32 again with LONG_PROMPT
                              (about 800 tokens): the prefill, and decoding over a long cache
     speculative              float32 through the kept graphs, plain and with --speculative
@@ -42,7 +44,7 @@ import torch
 from ..base.files import minillm_home
 from .common import REPO, alternate, finish_figure, median, plot_title, spread
 from .batch import TEXT
-from .llama_cpp import gguf_as, missing_reason
+from .llama_cpp import gguf_as, missing_reason, quantized_by_llama_cpp
 
 PROMPT = ("The lighthouse keeper had not spoken to anyone in three weeks when the storm brought a stranger to "
           "the door. She")
@@ -125,24 +127,26 @@ def run(args) -> dict:
         source = gguf_path_for(args.model)
         ggufs = {"F32": gguf_as(source, "F32")}
         if not quick:
-            ggufs.update({"Q8_0": gguf_as(source, "Q8_0"), "Q4_1": source})
+            ggufs.update({"Q8_0": gguf_as(source, "Q8_0"), "Q4_1": source, "Q4_K_M": quantized_by_llama_cpp(source)})
         check_llama_runs(ggufs)
+    # A K-quant file of the model, run by --quant gguf as it is stored (when llama.cpp is here to make it)
+    k_quant = ("--model", str(ggufs["Q4_K_M"])) if "Q4_K_M" in ggufs else None
     builds, records = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "MINILLM_HOME": str(fresh_home(minillm_home(), Path(tmp) / "home")),
                "PYTHONPATH": str(REPO)}
-        for quant in quants:  # the first build of each compiled graph, as `python -m minillm.compile` does it
+        variants = [(quant, quant, ()) for quant in quants] + ([("q4_k_m", "gguf", k_quant)] if k_quant else [])
+        for label, quant, model in variants:  # the first build of each compiled graph, as `python -m minillm.compile`
             start = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "minillm.compile", "--quant", quant], env=env, cwd=REPO,
+            subprocess.run([sys.executable, "-m", "minillm.compile", "--quant", quant, *model], env=env, cwd=REPO,
                            check=True, capture_output=True)
-            builds[quant] = time.perf_counter() - start
-            print(f"first build, quantization {quant}: {builds[quant]:.0f} s (the whole process)", flush=True)
+            builds[label] = time.perf_counter() - start
+            print(f"first build, {label}: {builds[label]:.0f} s (the whole process)", flush=True)
         contenders = {}
-        for quant in quants:
-            label = "" if quant == "none" else f" {quant}"
+        for label, quant, model in variants:
             for eager in (True, False):
-                name = f"minillm{label} {'eager' if eager else 'compiled'}"
-                contenders[name] = recorder(records, name, minillm_command(quant, eager, new_tokens), env)
+                name = f"minillm{'' if label == 'none' else ' ' + label} {'eager' if eager else 'compiled'}"
+                contenders[name] = recorder(records, name, minillm_command(quant, eager, new_tokens, extra=model), env)
         for kind, path in ggufs.items():
             contenders[f"llama.cpp {kind}"] = recorder(records, f"llama.cpp {kind}", llama_command(path, new_tokens),
                                                        env)

@@ -222,7 +222,8 @@ def quant_section(title: str, data: dict, links: dict) -> str:
                       "applied to the weights (float32 compute: accuracy only).", data, header, rows, notes)
 
 
-LLAMA_REFERENCE = {"none": "llama.cpp F32", "int8": "llama.cpp Q8_0", "gguf": "llama.cpp Q4_1"}
+LLAMA_REFERENCE = {"none": "llama.cpp F32", "int8": "llama.cpp Q8_0", "gguf": "llama.cpp Q4_1",
+                   "q4_k_m": "llama.cpp Q4_K_M"}
 
 
 def cli_section(title: str, data: dict, links: dict) -> str:
@@ -233,7 +234,7 @@ def cli_section(title: str, data: dict, links: dict) -> str:
     speculative = {name: row for name, row in rows.items() if name.startswith("speculative")}
     rows = {name: row for name, row in rows.items() if name not in speculative}
     for name, row in rows.items():
-        quant = next((q for q in ("int8", "gguf") if f" {q} " in name), "none")
+        quant = next((q for q in ("int8", "gguf", "q4_k_m") if f" {q} " in name), "none")
         reference = LLAMA_REFERENCE[quant]
         if "long-prompt" in name:  # the long prompt's rows against llama.cpp's on the same prompt
             reference = reference.replace("llama.cpp", "llama.cpp long-prompt")
