@@ -198,7 +198,8 @@ def parallel_result() -> dict:
 
 
 SYNTHETIC = {"decode": decode_result, "cache-scaling": cache_scaling_result, "batch": batch_result,
-             "speculative": speculative_result, "lookahead": lookahead_result, "cli": cli_result, "parallel": parallel_result}
+             "speculative": speculative_result, "lookahead": lookahead_result, "cli": cli_result,
+             "parallel": parallel_result}
 
 
 @pytest.fixture
@@ -465,23 +466,25 @@ def test_a_crashing_llama_cpp_is_caught_before_the_builds(monkeypatch, tmp_path)
 
 
 def test_the_llama_cpp_contender_imports_no_torch(tmp_path):
-    """llama.cpp's process is charged no torch import: run by path with a stand-in llama_cpp, it streams the tokens,
-    reports its rate in the line the suite parses, and ends without torch (or minillm) imported."""
+    """llama.cpp's process is charged no torch import: started exactly as the suite starts it (by path), with a
+    stand-in llama_cpp package, it streams the tokens, reports its rate in the line the suite parses, and imports
+    neither torch nor minillm (nor minillm's own bench/llama_cpp.py, which sits beside it under the same name)."""
     from minillm.bench import processes
 
-    (tmp_path / "llama_cpp.py").write_text(
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(
         "class Llama:\n"
         "    def __init__(self, **settings): self.settings = settings\n"
         "    def create_completion(self, prompt, max_tokens, temperature, stream):\n"
         "        return ({'choices': [{'text': f' t{i}'}]} for i in range(max_tokens))\n")
     command = processes.llama_command(tmp_path / "model.gguf", 5, "Hello")
-    probe = ("import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
-             "print('imported:', *sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'minillm')), file=sys.stderr)")
-    child = subprocess.run([sys.executable, "-c", probe, *command[1:]], capture_output=True, text=True, check=True,
-                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    child = subprocess.run([command[0], "-X", "importtime", *command[1:]], capture_output=True, text=True,
+                           check=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert child.stdout == " t0 t1 t2 t3 t4"
     assert processes.STATS.search(child.stderr).group(1) == "4"
-    assert child.stderr.splitlines()[-1] == "imported:"  # no torch, no minillm module
+    imported = [line.rsplit("|", 1)[-1].strip() for line in child.stderr.splitlines() if line.startswith("import time")]
+    assert "llama_cpp" in imported  # the stand-in package
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "minillm")]
 
 
 def test_every_option_is_assigned_to_commands():

@@ -6,8 +6,13 @@ half the C++ engine's users never pay, which would be charged to llama.cpp's sta
 So this file imports nothing from minillm, and nothing but llama-cpp-python.
 """
 
+import os
 import sys
 import time
+
+# Run by path, Python puts this file's folder first on sys.path, where minillm's own `llama_cpp.py` (the suites'
+# helper) would shadow llama-cpp-python's package of the same name: that folder goes.
+sys.path = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 def main(gguf: str, new_tokens: int, prompt: str, threads: int) -> None:
