@@ -188,8 +188,10 @@ class TensorParallelServer:
         self.process = subprocess.Popen([sys.executable, "-m", "minillm.serve", "--tp", "3", "--port", str(self.port)],
                                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-        line = self.process.stderr.readline()
-        assert "split over 3 processes (gloo)" in line, line
+        lines = [self.process.stderr.readline()]  # a note on sharing the cores may come first
+        while "serving" not in lines[-1] and lines[-1] and len(lines) < 5:
+            lines.append(self.process.stderr.readline())
+        assert "split over 3 processes (gloo)" in lines[-1], lines
         self.children = [int(pid) for pid in
                          Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()]
 
