@@ -23,9 +23,10 @@ rank (said by `Split.replicated_kv`). Anything else (the default model's three k
 heads over two ranks) is refused by `check_split` in one line.
 
 The sums run in another order than one process's matmul (partial sums per rank, then
-added), so logits agree with one process's to about 1e-6 relative in float32, not bit
-for bit; every rank ends a step holding the same logits (an all-reduce gives each rank
-the same bytes), so their greedy and seeded choices agree without a word between them.
+added), so logits agree with one process's to about 1e-6 relative in float32 (the tests
+hold them within 1e-4), not bit for bit; every rank ends a step holding the same logits
+(an all-reduce gives each rank the same bytes). Rank 0 alone chooses the tokens; the
+others follow its runner call by call (`minillm.parallel.follow`).
 """
 
 from __future__ import annotations
