@@ -11,11 +11,18 @@ import argparse
 import sys
 
 from .base import jsonio
-from .base.cli_inputs import command_line_text, read_prompts_file, schema_text
+from .base.cli_inputs import command_line_text, read_prompts_file
 from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, exit_at_once, run_command
 from .compile import DEFAULT_VERIFY_TOKENS, compile_command, eager_path_hint
 from .decoding.outputs import check_fits_context, encode_prompts
-from .decoding.sampling import SamplingConfig, SamplingError
+from .decoding.sampling import SamplingConfig
+from .infer_flags import (
+    beam_options,
+    check_constraint,
+    check_flag_combinations,
+    lookahead_options,
+    sampling_config,
+)
 from .strategies.streaming import PrintStreamer
 
 EPILOG = """examples:
@@ -156,128 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--stats", action="store_true",
                    help="print timing to stderr: prompt tokens, time to first token, decode tokens/s")
     return p
-
-
-def sampling_config(args, eos_token_id=None) -> SamplingConfig:
-    """The flags as a validated SamplingConfig; a bad value is reported under its flag's name.
-
-    Sampling is on when --temperature > 0 is given, or when --top-k/--top-p/--min-p is set
-    (at temperature 1), unless --greedy; a filter flag is never silently ignored.
-    """
-    filters_set = args.top_k != 0 or args.top_p != 1.0 or args.min_p != 0.0
-    sampling = not args.greedy and (args.temperature > 0 if args.temperature is not None else filters_set)
-    try:
-        return SamplingConfig(
-            max_new_tokens=args.max_new_tokens, do_sample=sampling,
-            temperature=args.temperature if args.temperature is not None else 1.0,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-            eos_token_id=eos_token_id, stop=tuple(args.stop), seed=args.seed,
-            json_schema=schema_text(args.json_schema), regex=args.regex, logit_bias=logit_bias(args.logit_bias),
-        )
-    except SamplingError as e:
-        raise ValueError(f"--{e.field.replace('_', '-')} {e.value!r} is invalid: must be {e.allowed}") from None
-
-
-def logit_bias(pairs: list[str]) -> dict[int, float]:
-    """--logit-bias 2=-100 --logit-bias 42=5.5 -> {2: -100.0, 42: 5.5}."""
-    bias = {}
-    for pair in pairs:
-        token, _, value = pair.partition("=")
-        try:
-            bias[int(token)] = float(value)
-        except ValueError:
-            raise ValueError(f"--logit-bias {pair!r} is invalid: write ID=VALUE, a token id and a number, "
-                             "e.g. --logit-bias 2=-100") from None
-    return bias
-
-
-def check_constraint(args, config: SamplingConfig) -> None:
-    """--json-schema / --regex go with plain generation only, and are turned into their automaton once before
-    the model loads, so a schema keyword or a pattern outside lesson 18's subset is one line naming it."""
-    from .decoding.structured import constraint_dfa
-
-    if config.constraint is None:
-        return
-    kind, source = config.constraint
-    flag = f"--{kind.replace('_', '-')}"
-    if args.speculative or args.num_beams > 1:
-        raise ValueError(f"{flag} masks each token as plain generation picks it; speculative decoding and beam "
-                         "search do not apply the mask: drop --speculative / --num-beams, or the constraint")
-    try:
-        constraint_dfa(kind, source)
-    except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
-
-
-def beam_options(args, config: SamplingConfig) -> dict | None:
-    """The beam-search flags, checked before the model load; None without --num-beams > 1."""
-    from .strategies.beam import check_beam_options
-
-    given = [flag for flag, value in (("--length-penalty", args.length_penalty),
-                                      ("--early-stopping", args.early_stopping)) if value is not None]
-    if args.num_beams == 1 and args.num_return_sequences == 1:
-        if given:
-            raise ValueError(f"{given[0]} applies to beam search only: add --num-beams N with N > 1")
-        return None
-    early = {None: "false", "true": "true", "false": "false", "never": "never"}.get(
-        args.early_stopping and args.early_stopping.lower())
-    if early is None:
-        raise ValueError(f"--early-stopping {args.early_stopping!r} is invalid: use true, false or never")
-    if getattr(args, "speculative", None):
-        raise ValueError("--num-beams cannot be combined with --speculative: choose one")
-    options = dict(num_beams=args.num_beams, num_return_sequences=args.num_return_sequences,
-                   length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
-                   early_stopping={"true": True, "false": False, "never": "never"}[early])
-    check_beam_options(config, **options)
-    return options
-
-
-def lookahead_options(args) -> dict:
-    """--decoding-length / --branch-length as Lookahead's keywords: the decoding length the kept verify graph
-    holds unless given, Lookahead's default branch length unless given."""
-    length = DEFAULT_VERIFY_TOKENS - 1 if args.decoding_length is None else args.decoding_length
-    given = {"decoding_length": length, "branch_length": args.branch_length}
-    return {name: value for name, value in given.items() if value is not None}
-
-
-def check_flag_combinations(args) -> None:
-    """Flags that only mean something with another flag are refused without it, never ignored."""
-    from .strategies.lookahead import check_lookahead_lengths
-    from .strategies.speculative import check_num_draft_tokens
-
-    lookahead_flags = (("--decoding-length", args.decoding_length), ("--branch-length", args.branch_length))
-    if not args.speculative:
-        for flag, value in (("--draft-model", args.draft_model), ("--num-draft-tokens", args.num_draft_tokens),
-                            *lookahead_flags):
-            if value is not None:
-                raise ValueError(f"{flag} applies to speculative decoding only: add --speculative")
-    elif args.speculative == "lookahead":
-        if args.num_draft_tokens is not None:
-            raise ValueError("--num-draft-tokens is for model and prompt-lookup drafts: lookahead's budget is "
-                             "--decoding-length")
-        check_lookahead_lengths(**lookahead_options(args), as_flags=True)
-    else:
-        for flag, value in lookahead_flags:
-            if value is not None:
-                raise ValueError(f"{flag} applies to --speculative lookahead only")
-        if args.num_draft_tokens is not None:
-            check_num_draft_tokens(args.num_draft_tokens, "--num-draft-tokens")
-    if args.compile and args.attention != "sdpa":
-        raise ValueError(f"--attention {args.attention} picks an eager kernel, and a compiled graph writes its own "
-                         "attention (lesson 15): drop --compile or --attention")
-    if args.compile and (args.num_beams > 1 or args.cache != "static"):
-        raise ValueError("--compile applies to plain and speculative generation over the static cache: drop "
-                         "--num-beams or --cache")
-    if args.slide and (args.speculative or args.num_beams > 1):
-        raise ValueError("--slide applies to plain generation: speculative decoding and beam search never slide the "
-                         "window; drop --slide, or --speculative / --num-beams")
-    if args.tp != 1 and (args.compile or args.quant != "none"):
-        flag = "--compile" if args.compile else f"--quant {args.quant}"
-        raise ValueError(f"{flag} with --tp: the compiled graphs and quantized linears are built for one process; "
-                         f"a sharded run decodes eagerly in float: drop {flag.split()[0]} or --tp")
-    if args.system is not None and args.chat is False:
-        raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 
 
 def check_rows_fit_context(rows: list[list[int]], args, context: int) -> None:

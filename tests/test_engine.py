@@ -42,7 +42,7 @@ LAYERS = {
     "strategies": {"strategies"},
     "serving": {"serving"},
     "cost model": {"costmodel"},
-    "front ends": {"infer", "serve", "export", "compile", "bench", "__main__", "__init__"},
+    "front ends": {"infer", "infer_flags", "serve", "export", "compile", "bench", "__main__", "__init__"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 
