@@ -206,22 +206,12 @@ def run(args) -> int:
     check_flag_combinations(args)
     if args.tp == 1:
         return generate_and_print(args, prompts, config, beam)
-    from .parallel.command import command_group, failed_rank, leave
-    from .parallel.follow import follow, stop_followers
+    from .parallel.command import run_ranked
     from .runtime.runner import ModelRunner
 
-    group, workers = command_group(args.tp, args.device)
-    try:
-        if not group.leader:  # rank 0 generates; this rank makes the same calls on its shard, as it is told
-            follow(load_for_run(args, group)[0], ModelRunner)
-            return 0
-        status = generate_and_print(args, prompts, config, beam, group)
-        stop_followers()
-        return status
-    except RuntimeError as error:  # a collective failed: name the rank that died, where one did
-        raise failed_rank(workers, error) from None
-    finally:
-        leave()
+    # rank 0 generates; the other ranks make the same calls on their shards, as they are told
+    return run_ranked(args.tp, args.device, lambda group, _: generate_and_print(args, prompts, config, beam, group),
+                      lambda group: load_for_run(args, group)[0], ModelRunner)
 
 
 def load_for_run(args, group=None):

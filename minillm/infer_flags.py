@@ -10,6 +10,7 @@ from __future__ import annotations
 from .base.cli_inputs import schema_text
 from .compile import DEFAULT_VERIFY_TOKENS
 from .decoding.sampling import SamplingConfig, SamplingError
+from .parallel.command import check_sharded_flags
 
 
 def sampling_config(args, eos_token_id=None) -> SamplingConfig:
@@ -126,10 +127,7 @@ def check_flag_combinations(args) -> None:
     if args.slide and (args.speculative or args.num_beams > 1):
         raise ValueError("--slide applies to plain generation: speculative decoding and beam search never slide the "
                          "window; drop --slide, or --speculative / --num-beams")
-    if args.tp != 1 and (args.compile or args.quant != "none"):
-        flag = "--compile" if args.compile else f"--quant {args.quant}"
-        raise ValueError(f"{flag} with --tp: the compiled graphs and quantized linears are built for one process; "
-                         f"a sharded run decodes eagerly in float: drop {flag.split()[0]} or --tp")
+    check_sharded_flags(args.tp, args.compile, args.quant)
     if args.system is not None and args.chat is False:
         raise ValueError("--system goes into the chat template, which --no-chat turns off: drop one of them")
 

@@ -14,6 +14,7 @@ import sys
 import threading
 
 from .base.commands import OneLineParser, add_graph_flags, add_model_flags, add_quant_flag, run_command
+from .parallel.command import check_sharded_flags
 from .serving.launch import bind, build_server
 
 EPILOG = """examples:
@@ -87,10 +88,7 @@ def check_args(args) -> None:
     model loads."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is invalid: must be in 0..65535")
-    if args.tp != 1 and (args.compile or args.quant != "none"):
-        flag = "--compile" if args.compile else f"--quant {args.quant}"
-        raise ValueError(f"{flag} with --tp: the compiled step and quantized linears are built for one process; a "
-                         f"sharded server steps eagerly in float: drop {flag.split()[0]} or --tp")
+    check_sharded_flags(args.tp, args.compile, args.quant)
     if args.compile and args.device != "cpu":
         raise ValueError("--compile builds the engine's step for the CPU only so far: on a GPU serve eagerly (drop "
                          "--compile)")
@@ -104,24 +102,18 @@ def run(args) -> int:
     check_args(args)
     if args.tp == 1:
         return serve(args, bind(args.host, args.port))
-    from .parallel.command import command_group, leave, rank_of_this_command, shard_loaded
-    from .parallel.follow import follow, stop_followers
+    from .parallel.command import rank_of_this_command, run_ranked, shard_loaded
     from .runtime.runner import ModelRunner
     from .speed.load import load_model
 
-    sock = bind(args.host, args.port) if rank_of_this_command() == 0 else None  # before anything starts or loads
-    group, workers = command_group(args.tp, args.device)
-    try:
+    def load(group):  # every rank: the whole model, plain, then its shard with the fast paths
         model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, fast=False)
-        shard_loaded(model, group, fast=True)
-        if not group.leader:  # rank 0 serves; this rank makes its engine's steps on its shard, as it is told
-            follow(model, ModelRunner)
-            return 0
-        status = serve(args, sock, (model, tokenizer), group, workers)
-        stop_followers()
-        return status
-    finally:
-        leave()
+        return shard_loaded(model, group, fast=True), tokenizer
+
+    sock = bind(args.host, args.port) if rank_of_this_command() == 0 else None  # before anything starts or loads
+    # rank 0 serves; the other ranks make its engine's steps on their shards, as they are told
+    return run_ranked(args.tp, args.device, lambda group, workers: serve(args, sock, load(group), group, workers),
+                      lambda group: load(group)[0], ModelRunner)
 
 
 def serve(args, sock, loaded=None, group=None, workers=None) -> int:

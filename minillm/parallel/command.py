@@ -27,6 +27,7 @@ import time
 import torch
 
 from ..base.ports import free_port
+from .follow import follow, stop_followers
 from .group import Group, join, launched_world, leave
 from .shard import shard_model
 
@@ -114,6 +115,33 @@ def shard_loaded(model, group: Group, fast: bool):
     return model
 
 
+def check_sharded_flags(world: int, compile: bool, quant: str) -> None:
+    """--compile and --quant with --tp are refused in one line: the compiled graphs and the quantized linears are
+    built for one process, and a sharded run is eager, in float."""
+    if world != 1 and (compile or quant != "none"):
+        flag = "--compile" if compile else f"--quant {quant}"
+        raise ValueError(f"{flag} with --tp: the compiled graphs and quantized linears are built for one process; "
+                         f"a sharded run is eager, in float: drop {flag.split()[0]} or --tp")
+
+
+def run_ranked(world: int, device: str, lead, load, make_runner) -> int:
+    """A command split over `world` processes, start to end: join its group (starting the other ranks, or under
+    torchrun); rank 0 runs `lead(group, workers)` and then stops the followers, every other rank makes rank 0's
+    runner calls (`follow`) over its shard, `load(group)`. A collective that fails names the rank that died."""
+    group, workers = command_group(world, device)
+    try:
+        if not group.leader:
+            follow(load(group), make_runner)
+            return 0
+        status = lead(group, workers)
+        stop_followers()
+        return status
+    except RuntimeError as error:
+        raise failed_rank(workers, error) from None
+    finally:
+        leave()
+
+
 def rank_of_this_command() -> int:
     """The rank this process will have in its command's group: the launcher's RANK, or 0 (a command started by hand
     becomes rank 0 and starts the others). Known before the group forms: rank 0 alone binds a server's port."""
@@ -130,4 +158,5 @@ def failed_rank(workers: Workers | None, error: BaseException) -> BaseException:
     return RuntimeError(reason) if reason else error
 
 
-__all__ = ["Workers", "command_group", "failed_rank", "leave", "rank_of_this_command", "shard_loaded"]
+__all__ = ["Workers", "check_sharded_flags", "command_group", "failed_rank", "rank_of_this_command", "run_ranked",
+           "shard_loaded"]
