@@ -28,8 +28,8 @@ KQUANT_BLOCK = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22), "Q5_1"
 
 
 def float16(raw: np.ndarray) -> np.ndarray:
-    """[blocks, 2] uint8 (a little-endian float16 each) -> [blocks, 1] float32."""
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+    """[..., 2] uint8 (a little-endian float16 each) -> [...] float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
 
 
 def q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,20 +53,20 @@ def decode_kquant(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, 
     n = data.shape[0]
     b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, size)  # every block of every row
     if kind == "Q4_K":
-        d, dmin = float16(b[:, 0:2]), float16(b[:, 2:4])
+        d, dmin = float16(b[:, 0:2])[:, None], float16(b[:, 2:4])[:, None]
         scales, mins = q4_k_scales_and_mins(b[:, 4:16])
         qs = b[:, 16:144].reshape(-1, 4, 32)  # four chunks of 32 bytes: sub-blocks 2c (low nibbles), 2c + 1 (high)
         codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, weights)
         scale, offset = d * scales.astype(np.float32), -(dmin * mins.astype(np.float32))
     elif kind == "Q6_K":
         ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)  # two halves of 128 weights
-        d = float16(b[:, 208:210])
+        d = float16(b[:, 208:210])[:, None]
         low = np.stack([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
         high = np.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], 2)  # [blocks, half, quarter, 32]
         codes = ((low | (high << 4)).astype(np.int16) - 32).reshape(-1, weights)
         scale, offset = d * b[:, 192:208].view(np.int8).astype(np.float32), None
     else:
-        d = float16(b[:, 0:2])
+        d = float16(b[:, 0:2])[:, None]
         at = 2 if kind == "Q5_0" else 4
         high_bits = b[:, at:at + 4].copy().view("<u4")  # [blocks, 1]: bit j is weight j's fifth bit
         qs = b[:, at + 4:at + 20]
@@ -75,7 +75,7 @@ def decode_kquant(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, 
         if kind == "Q5_0":
             codes, offset = codes.astype(np.int16) - 16, None
         else:
-            offset = float16(b[:, 2:4])
+            offset = float16(b[:, 2:4])[:, None]
         scale = d
     offset = None if offset is None else np.broadcast_to(offset, scale.shape).reshape(n, -1)
     return codes.reshape(n, -1), scale.reshape(n, -1), offset

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from ..model.gguf import read_gguf, unpermute_rope
 from ..model.loading import DEFAULT_ALIASES, GEMMA3_MODEL, default_gguf_path, gemma3_source, resolve_checkpoint_folder
-from .kquants import KQUANT_BLOCK, decode_kquant, dequantize_kquant
+from .kquants import KQUANT_BLOCK, decode_kquant, dequantize_kquant, float16
 from .quant import Int4WeightLinear, Int8WeightLinear, QuantizationError, check_int4_shape, quantize_int4_groupwise
 from .quantize_model import quantize_model, replace_module
 
@@ -75,12 +75,12 @@ def decode_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, 
                                 f"{', '.join(BLOCK_BYTES)} blocks; use --quant int4 to requantize the weights")
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, BLOCK_BYTES[kind])  # [N, K / 32, bytes]
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = float16(blocks[..., 0:2])
     if kind == "Q8_0":
         return blocks[..., 2:].copy().view(np.int8).reshape(n, -1), d, None
     if kind == "Q4_0":
         return split_nibbles(blocks[..., 2:]).reshape(n, -1), d, None
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = float16(blocks[..., 2:4])
     return split_nibbles(blocks[..., 4:]).reshape(n, -1), d, m
 
 
