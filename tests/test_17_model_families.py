@@ -88,11 +88,37 @@ def test_every_sliding_layer_of_a_forward_shares_one_windowed_step():
     assert SlidingWindow(TINY_WINDOW)(AttentionStep(torch.arange(20)[None]), 20) is not first  # a new forward
 
 
-def test_a_windowed_layer_refuses_a_packed_step_in_one_line():
-    step = AttentionStep(torch.arange(20)[None], None, packed=object())
-    with pytest.raises(ValueError) as excinfo:
-        SlidingWindow(TINY_WINDOW)(step, 20)
-    assert "sliding-window" in one_line_error(excinfo) and "not supported" in str(excinfo.value)
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gpt_oss"])
+def test_sliding_window_families_serve_through_the_engine(kind):
+    """The engine packs sequences into one row over the paged cache; a sliding layer narrows that step's masks
+    (`PackedSequences.windowed`). Prompts past the window, prefilled in chunks beside other sequences' decodes,
+    give generate's tokens (which equal transformers', above)."""
+    from minillm.runtime.engine import Engine
+
+    _, model = tiny_pair(kind)
+    prompts = [random_tokens(1, 21, seed=7)[0].tolist(), random_tokens(1, 11, seed=8)[0].tolist(),
+               random_tokens(1, 3, seed=9)[0].tolist()]
+    expected = generate(model, prompts, max_new_tokens=12, eos_token_id=()).token_ids
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=8, block_size=4)
+    ids = [engine.add_request(p, max_new_tokens=12, eos_token_id=()) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(i).token_ids for i in ids] == expected
+
+
+def test_a_windowed_packed_step_hides_exactly_the_keys_a_window_leaves_out():
+    """Brute force: query at position p may see key j iff p - window < j <= p, for decodes and chunks alike."""
+    from minillm.cache.paged import PackedSequences
+
+    window, block_size = 3, 4
+    packed = PackedSequences.build([[0, 1, 2], [3, 4]], starts=[9, 2], counts=[1, 5], block_size=block_size)
+    near = packed.windowed(window)
+    p = 9  # the decode's query
+    assert near.decode_mask[0, 0, 0].tolist() == [p - window < j <= p for j in range(12)]
+    (_, _, _, causal), = near.chunks
+    assert causal.tolist() == [[p - window < j <= p for j in range(8)] for p in range(2, 7)]
+    assert SlidingWindow(window)(AttentionStep(packed.positions[None], None, packed), 12).packed.chunks[0][3].equal(
+        causal)
 
 
 def test_unsupported_architecture_is_refused_naming_the_supported_ones():
@@ -295,3 +321,90 @@ def test_a_mixture_of_experts_refuses_a_graph_quantization_and_a_split_in_one_li
     with pytest.raises(ValueError, match=r"^--tp 2: a mixture of experts does not split yet"):
         check_split(model.config, 2)
     assert generate(model, [[1, 2, 3]], max_new_tokens=2, compile=None).stats.extra.get("graph", "eager") == "eager"
+
+
+# --- gpt-oss: attention sinks, YaRN, top-k-then-softmax routing and a clamped SwiGLU. ------------------------------
+
+def test_an_attention_sink_is_one_more_logit_whose_value_is_zero():
+    """Brute force, head by head: softmax over the visible keys' scores and the head's sink, the sink's weight
+    dropped. A sink far below every score gives plain attention (SDPA); a query that sees no key gives zeros."""
+    from minillm.model.attention import SDPABackend, attention_with_sinks
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8,
+                                                                                                         generator=g)
+    sinks, mask = torch.randn(4, generator=g), torch.rand(2, 5, 7, generator=g) > 0.3
+    mask[1, 2] = False  # this query sees nothing
+    expected = torch.zeros_like(q)
+    for b in range(2):
+        for h in range(4):
+            for t in range(5):
+                seen = mask[b, t].nonzero()[:, 0]
+                logits = torch.cat((q[b, h, t] @ k[b, h // 2, seen].T / 8 ** 0.5, sinks[h:h + 1]))
+                expected[b, h, t] = logits.softmax(0)[:-1] @ v[b, h // 2, seen]
+    torch.testing.assert_close(attention_with_sinks(q, k, v, mask[:, None], sinks), expected)
+    assert attention_with_sinks(q, k, v, mask[:, None], sinks)[1, :, 2].abs().max() == 0
+    quiet = torch.full((4,), -1e4)
+    step = AttentionStep(torch.arange(5).expand(2, 5), mask)
+    seeing = mask.any(-1)[:, None].expand(2, 4, 5)
+    torch.testing.assert_close(attention_with_sinks(q, k, v, mask[:, None], quiet)[seeing],
+                               SDPABackend()(q, k, v, step)[seeing])
+
+
+def test_a_model_with_sinks_refuses_a_backend_that_cannot_add_them_in_one_line():
+    from minillm.model.attention import set_attention_backend
+
+    class Plain:
+        name = "plain"
+
+        def __call__(self, q, k, v, step):
+            return q
+
+    _, model = tiny_pair("gpt_oss")
+    set_attention_backend(model, Plain())
+    with pytest.raises(ValueError) as excinfo:
+        model(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]))
+    assert "attention sinks" in one_line_error(excinfo) and "'plain'" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_speeds_and_temperature_equal_transformers(truncate):
+    """transformers' own YaRN (ROPE_INIT_FUNCTIONS["yarn"]) on the tiny gpt-oss config, both ramp roundings."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from minillm.model.rope import yarn_inv_freq
+
+    hf_model, _ = tiny_pair("gpt_oss")
+    hf_config = hf_model.config
+    hf_config.rope_parameters = dict(hf_config.rope_parameters, truncate=truncate)
+    expected, temperature = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    c = config_from_hf(hf_config.to_dict())
+    got = yarn_inv_freq(c.head_size, c.rope_theta, c.rope_yarn_factor, c.rope_yarn_betas, c.rope_original_max,
+                        c.rope_yarn_truncate)
+    assert c.rope_yarn_truncate is truncate and torch.equal(got, expected)
+    assert c.rope_attention_factor == temperature != 1.0
+    plain = 1.0 / c.rope_theta ** (torch.arange(0, c.head_size, 2).float() / c.head_size)
+    assert got[0] == plain[0] and torch.allclose(got[-1], plain[-1] / c.rope_yarn_factor)  # fast kept, slow stretched
+
+
+def test_gpt_oss_routes_the_top_k_logits_through_a_softmax_and_clamps_its_swiglu():
+    """Brute force: every expert on every token, biases included, (clamp(up) + 1) · g · sigmoid(1.702 g) with g
+    clamped at 7, weighted by a softmax over each token's two largest router logits."""
+    _, model = tiny_pair("gpt_oss")
+    moe = model.blocks[0].mlp
+    with torch.no_grad():
+        moe.gate_up.mul_(40)  # large enough that the clamps act
+    x = torch.randn(3, 5, model.config.d_model, generator=torch.Generator().manual_seed(4))
+    h = x.reshape(-1, x.shape[-1])
+    logits = h @ moe.router.weight.T + moe.router.bias
+    top = logits.topk(2, -1)
+    weights = torch.zeros_like(logits).scatter(-1, top.indices, top.values.softmax(-1))
+    every = []
+    for e in range(4):
+        gate, up = (h @ moe.gate_up[e].T + moe.gate_up_bias[e]).chunk(2, -1)
+        assert gate.max() > 7 and up.abs().max() > 7
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        every.append(((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ moe.down[e].T + moe.down_bias[e])
+    expected = (weights.T[..., None] * torch.stack(every)).sum(0).view_as(x)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)

@@ -27,11 +27,12 @@ runner installs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from ..model.attention import attention_with_sinks
 from .blocks import blocks_for
 
 
@@ -91,6 +92,18 @@ class PackedSequences:
         return cls(slots.to(device), positions.to(device), query_starts,
                    torch.tensor([query_starts[i] for i in decode], dtype=torch.long, device=device),
                    decode_blocks.to(device), decode_mask.to(device), chunks)
+
+    def windowed(self, window: int) -> "PackedSequences":
+        """The same step for a sliding-window layer: each query also hides the keys `window` or more positions
+        behind it (a sequence's keys are gathered in position order, so key column j is position j)."""
+        def near(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:  # bool [n, num_keys]
+            return query_positions[:, None] - torch.arange(num_keys, device=query_positions.device) < window
+
+        decode_mask = self.decode_mask & near(self.positions[self.decode_queries],
+                                              self.decode_mask.shape[-1])[:, None, None]
+        chunks = [(first, end, table, causal & near(self.positions[first:end], causal.shape[1]))
+                  for first, end, table, causal in self.chunks]
+        return replace(self, decode_mask=decode_mask, chunks=chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -208,15 +221,16 @@ def gather_blocks(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return gathered.transpose(-3, -2)
 
 
-def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     packed: PackedSequences) -> torch.Tensor:
+def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, packed: PackedSequences,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for a packed step, each sequence over its own keys read from the pool.
 
     q [1, H, N, hd]; k_pool, v_pool [num_blocks, block_size, KV, hd] (one layer's pools).
     The one-token sequences (decodes) run as one batch: their blocks gathered into
     [D, KV, L, hd], padded to the longest and masked, and each KV head's `group` query
     heads treated as `group` queries of that head, as `SDPABackend` decodes. Each longer
-    chunk (a prefill) runs alone, causal after the keys already in its sequence.
+    chunk (a prefill) runs alone, causal after the keys already in its sequence. A layer
+    with sinks (gpt-oss) runs both through `attention_with_sinks`.
     Returns [1, H, N, hd], the same as `paged_attention` gives (the reference).
     """
     H, hd = q.shape[1], q.shape[3]
@@ -225,14 +239,21 @@ def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     out = torch.empty_like(q)
     D = len(packed.decode_queries)
     if D:
-        queries = q[0, :, packed.decode_queries].transpose(0, 1).reshape(D, KV, group, hd)
+        queries = q[0, :, packed.decode_queries].transpose(0, 1)  # [D, H, hd]
         keys = gather_blocks(k_pool, packed.decode_blocks)  # [D, KV, L, hd]
         values = gather_blocks(v_pool, packed.decode_blocks)
-        y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=packed.decode_mask)  # [D, KV, group, hd]
+        if sinks is not None:
+            y = attention_with_sinks(queries[:, :, None], keys, values, packed.decode_mask, sinks)  # [D, H, 1, hd]
+        else:  # [D, KV, group, hd]
+            y = F.scaled_dot_product_attention(queries.reshape(D, KV, group, hd), keys, values,
+                                               attn_mask=packed.decode_mask)
         out[0, :, packed.decode_queries] = y.reshape(D, H, hd).transpose(0, 1)
     for first, end, table, causal in packed.chunks:
         keys = gather_blocks(k_pool, table)[None]  # [1, KV, L, hd]
         values = gather_blocks(v_pool, table)[None]
+        if sinks is not None:
+            out[:, :, first:end] = attention_with_sinks(q[:, :, first:end], keys, values, causal, sinks)
+            continue
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         out[:, :, first:end] = F.scaled_dot_product_attention(q[:, :, first:end], keys, values, attn_mask=causal)
@@ -251,11 +272,12 @@ class PagedAttention:
 
     def __init__(self, inner):
         self.inner = inner
+        self.handles_sinks = getattr(inner, "handles_sinks", False)  # packed steps always do
 
     def __call__(self, q, k, v, step):
         if step.packed is None:
             return self.inner(q, k, v, step)
-        return packed_attention(q, k, v, step.packed)
+        return packed_attention(q, k, v, step.packed, step.sinks)
 
     @staticmethod
     def install(model) -> None:

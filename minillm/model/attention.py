@@ -34,6 +34,7 @@ class AttentionStep:
     positions: torch.Tensor  # long [B, T]: each query's position in its sequence
     mask: torch.Tensor | None = None  # bool [B, T, S], True = may attend; None = causal, queries last
     packed: object | None = None  # several sequences packed into one row over a paged cache (`minillm.cache.paged`)
+    sinks: torch.Tensor | None = None  # [H]: this layer's learned sink logits (gpt-oss), see `attention_with_sinks`
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # see `once`
 
     def once(self, key, make):
@@ -57,20 +58,53 @@ def causal_mask_lower_right(num_queries: int, num_keys: int, device=None) -> tor
     return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(diagonal=num_keys - num_queries)
 
 
+def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax has one more logit per query head: the head's learned sink (gpt-oss).
+
+        weights = softmax([q·k_1/√hd, ..., q·k_S/√hd, sink_h])[:S]        y = weights · v
+
+    The sink is a key with no value: whatever weight it takes is attention paid to nothing,
+    so a head can stay quiet where plain softmax must spread a whole unit of attention over
+    the keys it sees (the "attention sink" that models otherwise make of their first token).
+    Written out, scores and all, because SDPA has no term for it.
+
+    q [B, H, T, hd]; k, v [B, KV, S, hd]; mask: bool broadcastable to [B, H, T, S] (True = may
+    attend), or None for causal with the queries last; sinks [H]. A query that may attend to
+    no key gives zeros (all its weight on the sink). Returns [B, H, T, hd].
+    """
+    B, H, T, hd = q.shape
+    group = H // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, hd]
+    scores = q @ k.transpose(-1, -2) * hd ** -0.5  # [B, H, T, S]
+    if mask is None and T > 1:
+        mask = causal_mask_lower_right(T, k.shape[2], q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return weights @ v
+
+
 class SDPABackend:
     """PyTorch's `scaled_dot_product_attention`, with grouped-query heads handled here.
 
     A query whose mask row is all False gets zeros, not NaN (SDPA's behaviour); callers
-    never read such rows (they are padding).
+    never read such rows (they are padding). A layer with sinks goes to `attention_with_sinks`.
     """
 
     name = "sdpa"
+    handles_sinks = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         B, H, T, hd = q.shape
         KV, S = k.shape[1], k.shape[2]
         group = H // KV
         mask = step.mask
+        if step.sinks is not None:
+            return attention_with_sinks(q, k, v, mask[:, None] if mask is not None and mask.dim() == 3 else mask,
+                                        step.sinks)
         if mask is None and T == S:  # a whole sequence from its start: SDPA's own causal kernel skips the future
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, hd]
@@ -105,4 +139,5 @@ def uses_default_attention(model) -> bool:
                for block in model.blocks)
 
 
-__all__ = ["AttentionStep", "SDPABackend", "causal_mask_lower_right", "set_attention_backend", "uses_default_attention"]
+__all__ = ["AttentionStep", "SDPABackend", "attention_with_sinks", "causal_mask_lower_right", "set_attention_backend",
+           "uses_default_attention"]

@@ -1,7 +1,7 @@
 """`ModelConfig`: every architecture of the course as switches of one frozen dataclass, not subclasses.
 
 GPT-2's defaults, and the fields that turn the one transformer (`minillm.model.transformer`)
-into Llama, Qwen, Gemma, Mistral, Phi-3, OPT or GPT-J (lesson 17; `minillm.model.families`
+into Llama, Qwen, Gemma, Mistral, Phi-3, OPT, GPT-J, Qwen3-MoE or gpt-oss (lesson 17; `minillm.model.families`
 reads them off a checkpoint's config).
 """
 
@@ -13,6 +13,7 @@ NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
 MLPS = ("gelu", "relu", "swiglu", "geglu")
 BLOCKS = ("pre", "post", "parallel")
 LAYER_TYPES = ("full", "sliding")
+ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,10 @@ class ModelConfig:
     rope_short_factor: tuple[float, ...] | None = None  # long-RoPE (Phi-3): per-frequency divisors up to rope_original_max
     rope_long_factor: tuple[float, ...] | None = None  # ... and beyond it
     rope_original_max: int | None = None  # the context the model was pretrained on (long-RoPE switches past it)
-    rope_attention_factor: float = 1.0  # long-RoPE scales cos and sin by this
+    rope_attention_factor: float = 1.0  # long-RoPE and YaRN scale cos and sin by this
+    rope_yarn_factor: float | None = None  # YaRN (gpt-oss): slow frequencies divided by this, fast ones kept
+    rope_yarn_betas: tuple[float, float] = (32.0, 1.0)  # YaRN's ramp: rotations over rope_original_max (fast, slow)
+    rope_yarn_truncate: bool = True  # round YaRN's ramp ends to whole dims (gpt-oss: False)
     attn_out_bias: bool | None = None  # bias on the attention output projection; None: `bias` (GPT-J has none, its MLP has)
     lm_head_bias: bool = False  # GPT-J
     d_embed: int | None = None  # token embedding width when it differs from d_model: project in and out (OPT-350m)
@@ -61,6 +65,12 @@ class ModelConfig:
     moe_ff: int | None = None  # each expert's hidden size (None: d_ff)
     norm_topk_prob: bool = False  # rescale the k picked probabilities to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP although the model has experts
+    expert_router: str = "softmax_topk"  # "softmax_topk" (Qwen3-MoE) or "topk_softmax": softmax over the k picked
+    expert_bias: bool = False  # a bias on the router and on each expert's projections (gpt-oss)
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g), g clamped
+    swiglu_alpha: float = 1.702  # ... and its sigmoid's gain
+    # --- attention sinks (gpt-oss) ---
+    attn_sinks: bool = False  # one learned logit per head joins each softmax: attention may go nowhere
 
     def __post_init__(self):
         for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("block", BLOCKS)):
@@ -74,6 +84,8 @@ class ModelConfig:
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types={self.layer_types!r}: give 'full' or 'sliding' for each of the "
                              f"{self.n_layer} layers")
+        if self.expert_router not in ROUTERS:
+            raise ValueError(f"expert_router={self.expert_router!r}: use one of {', '.join(ROUTERS)}")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token}: pick 1 to num_experts={self.num_experts}")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size
@@ -129,4 +141,4 @@ def describe(config: ModelConfig) -> str:
     )
 
 
-__all__ = ["ModelConfig", "describe", "NORMS", "MLPS", "BLOCKS", "LAYER_TYPES"]
+__all__ = ["ModelConfig", "describe", "NORMS", "MLPS", "BLOCKS", "LAYER_TYPES", "ROUTERS"]

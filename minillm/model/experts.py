@@ -1,8 +1,13 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, lesson 17): a router sends each token to its top-k of E gated MLPs.
+"""A mixture-of-experts MLP (Qwen3-MoE, gpt-oss; lesson 17): a router sends each token to its top-k of E gated MLPs.
 
     probabilities = softmax(router(x))                  [tokens, E]   (in float32)
     weights, experts = top-k of them                    [tokens, k]   (rescaled to sum 1 if the model says so)
     y = Σ over the k picked experts e of  weight_e · down_e(silu(gate_e(x)) * up_e(x))
+
+gpt-oss routes the other way round, top-k of the router's logits first and a softmax over
+those k alone (`expert_router="topk_softmax"`), puts a bias on the router and on every
+expert's projections, and clamps its SwiGLU (`swiglu_limit`): the gate at most `limit`,
+the up projection within ±limit, then (up + 1) · gate · sigmoid(alpha · gate).
 
 A model with 128 experts of which 8 run per token holds 16 times the MLP weights it reads for one
 token: the parameters grow, the work per token does not. The experts' weights are stored as the
@@ -24,18 +29,36 @@ class MoE(nn.Module):
         super().__init__()
         E, d, ff = config.num_experts, config.d_model, config.moe_ff or config.ff_size
         self.top_k, self.normalize = config.experts_per_token, config.norm_topk_prob
-        self.router = nn.Linear(d, E, bias=False)
+        self.softmax_first = config.expert_router == "softmax_topk"
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+        self.router = nn.Linear(d, E, bias=config.expert_bias)
         self.gate_up = nn.Parameter(torch.empty(E, 2 * ff, d))
         self.down = nn.Parameter(torch.empty(E, d, ff))
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * ff)) if config.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(E, d)) if config.expert_bias else None
         self.load: torch.Tensor | None = None  # tokens each expert served, summed over the forwards since reset
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [N, d] -> (weights [N, k] in h's dtype, experts long [N, k]): each token's picks and their weights."""
-        probabilities = self.router(h).softmax(-1, dtype=torch.float32)
-        weights, experts = probabilities.topk(self.top_k, dim=-1)
+        logits = self.router(h)
+        if not self.softmax_first:  # gpt-oss: the k largest logits, then a softmax over those k
+            top, experts = logits.topk(self.top_k, dim=-1)
+            return top.softmax(-1), experts
+        weights, experts = logits.softmax(-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(h.dtype), experts
+
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert e's gated MLP on the tokens h [n, d] it serves -> [n, d]."""
+        biased = self.gate_up_bias is not None
+        gate, up = F.linear(h, self.gate_up[e], self.gate_up_bias[e] if biased else None).chunk(2, dim=-1)
+        if self.limit is None:
+            hidden = F.silu(gate) * up
+        else:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            hidden = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return F.linear(hidden, self.down[e], self.down_bias[e] if biased else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])  # [N, d]: every token of every row
@@ -45,9 +68,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(h)
         for e in experts.unique().tolist():  # the experts some token picked, each over the tokens it serves
             token, slot = (experts == e).nonzero(as_tuple=True)
-            gate, up = F.linear(h[token], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y)
+            out.index_add_(0, token, self.expert(e, h[token]) * weights[token, slot, None])
         return out.view_as(x)
 
     def count_load(self) -> None:

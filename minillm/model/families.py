@@ -24,7 +24,7 @@ import torch
 
 from .config import ModelConfig
 from .fetch import ModelLoadError
-from .weight_names import StateBuilder, gpt2_state, gptj_state, llama_like_state, opt_state
+from .weight_names import StateBuilder, gpt2_state, gpt_oss_state, gptj_state, llama_like_state, opt_state
 
 
 class UnsupportedModel(ModelLoadError):
@@ -48,12 +48,30 @@ def rope_settings(hf: dict, layer_type: str | None = None) -> dict:
     return rope
 
 
+def yarn_switches(hf: dict, rope: dict) -> dict:
+    """A YaRN RoPE's `ModelConfig` switches (`minillm.model.rope.yarn_inv_freq`), read as transformers reads them."""
+    original = rope.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+
+    def magnitude(scale: float) -> float:  # YaRN's attention temperature: 0.1·scale·ln(factor) + 1
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = magnitude(mscale) / magnitude(all_dims) if mscale and all_dims else magnitude(1)
+    return dict(rope_theta=float(rope["rope_theta"]), rope_yarn_factor=float(factor),
+                rope_yarn_betas=(float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)),
+                rope_yarn_truncate=bool(rope.get("truncate", True)), rope_original_max=int(original),
+                rope_attention_factor=float(attention_factor))
+
+
 def plain_rope_theta(hf: dict, layer_type: str | None = None) -> float:
     """The RoPE base of a model that uses plain RoPE (refusing scaled variants)."""
     rope = rope_settings(hf, layer_type)
     if rope["rope_type"] != "default":
         raise UnsupportedModel(f"unsupported RoPE scaling {rope['rope_type']!r} in a {hf['model_type']} config: "
-                               f"minillm implements plain RoPE here (and long-RoPE for phi3)")
+                               f"minillm implements plain RoPE and YaRN here (and long-RoPE for phi3)")
     return float(rope["rope_theta"])
 
 
@@ -84,9 +102,11 @@ def llama_like(hf: dict, **switches) -> ModelConfig:
         positions="rope", mlp="swiglu", bias=False, qkv_bias=False,
         tie_embeddings=hf.get("tie_word_embeddings", False),
     )
-    settings.update(switches)
     if "rope_theta" not in switches:
-        settings["rope_theta"] = plain_rope_theta(hf)
+        rope = rope_settings(hf)
+        yarn = rope["rope_type"] == "yarn"
+        settings.update(yarn_switches(hf, rope) if yarn else {"rope_theta": plain_rope_theta(hf)})
+    settings.update(switches)
     return ModelConfig(**settings)
 
 
@@ -121,6 +141,18 @@ def qwen3_moe_config(hf: dict) -> ModelConfig:
                       layer_types=sliding_layers(hf, window), num_experts=experts,
                       experts_per_token=hf["num_experts_per_tok"], moe_ff=hf["moe_intermediate_size"],
                       norm_topk_prob=hf.get("norm_topk_prob", False), dense_layers=tuple(sorted(dense)))
+
+
+def gpt_oss_config(hf: dict) -> ModelConfig:
+    """gpt-oss: every MLP a mixture of experts (router and experts biased, top-k then softmax, a clamped SwiGLU),
+    biased attention with a learned sink per head, sliding and full layers in turn, YaRN RoPE."""
+    window = hf.get("sliding_window")
+    return llama_like(hf, qkv_bias=hf.get("attention_bias", True), attn_out_bias=hf.get("attention_bias", True),
+                      attn_sinks=True, sliding_window=window, layer_types=sliding_layers(hf, window),
+                      num_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+                      moe_ff=hf["intermediate_size"], expert_router="topk_softmax", expert_bias=True,
+                      swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                      swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
 
 
 def mistral_config(hf: dict) -> ModelConfig:
@@ -239,6 +271,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("qwen2", "Qwen2ForCausalLM", qwen_config, llama_like_state),
     Family("qwen3", "Qwen3ForCausalLM", qwen_config, llama_like_state),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qwen3_moe_config, llama_like_state),
+    Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, gpt_oss_state),
     Family("mistral", "MistralForCausalLM", mistral_config, llama_like_state),
     Family("phi3", "Phi3ForCausalLM", phi3_config, llama_like_state),
     Family("gemma2", "Gemma2ForCausalLM", gemma_config, llama_like_state),

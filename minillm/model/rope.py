@@ -9,6 +9,8 @@ so that a model here and its transformers twin can be compared exactly.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,26 @@ def rope_inv_freq(rotary_dim: int, theta: float, factors=None) -> torch.Tensor:
     if factors is None:
         return 1.0 / (theta ** exponents)
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+
+
+def yarn_inv_freq(rotary_dim: int, theta: float, factor: float, betas: tuple[float, float], original_max: int,
+                  truncate: bool) -> torch.Tensor:
+    """[rotary_dim / 2] YaRN's speeds (Peng et al., 2023): a pair that turns more than beta_fast times over the
+    pretraining context keeps its speed, one that turns fewer than beta_slow times is slowed by `factor` (stretched
+    to the longer context), and the pairs between blend linearly by their index. As transformers computes it.
+    """
+    def pair_turning(rotations: float) -> float:  # the (fractional) pair index that turns this often over the context
+        return rotary_dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(betas[0]), pair_turning(betas[1])
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 0: keep speed
+    speeds = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return 1.0 / (factor * speeds) * ramp + 1.0 / speeds * (1 - ramp)
 
 
 class RopeTable:
@@ -47,7 +69,8 @@ class RopeTable:
 
     Long-RoPE (Phi-3) divides each speed by a factor, one set for contexts up to
     the pretraining length and one beyond, and scales cos and sin. Like transformers,
-    each forward picks the set by its largest position.
+    each forward picks the set by its largest position. YaRN (gpt-oss) slows only the
+    slow pairs, at every position alike (`yarn_inv_freq`), and scales cos and sin too.
     """
 
     def __init__(self, config: ModelConfig, theta: float | None = None):
@@ -57,6 +80,7 @@ class RopeTable:
         self.original_max = config.rope_original_max if config.rope_long_factor is not None else None
         self.factors = {False: config.rope_short_factor, True: config.rope_long_factor}
         self.scale = config.rope_attention_factor
+        self.yarn = config if config.rope_yarn_factor is not None else None
         self.tables: dict = {}
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -73,7 +97,12 @@ class RopeTable:
 
     def build(self, size: int, dtype: torch.dtype, device, long: bool):
         """cos, signed sin [size, head_dim]; angles in float32 (bf16 positions lose whole tokens), cast at the end."""
-        inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.factors[long]).to(device)
+        if self.yarn is not None:
+            c = self.yarn
+            inv_freq = yarn_inv_freq(self.rotary_dim, self.theta, c.rope_yarn_factor, c.rope_yarn_betas,
+                                     c.rope_original_max, c.rope_yarn_truncate).to(device)
+        else:
+            inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.factors[long]).to(device)
         angles = torch.arange(size, device=device).float()[:, None] * inv_freq  # [size, rotary_dim/2]
         cos, sin = angles.cos() * self.scale, angles.sin() * self.scale
         still = (self.head_dim - self.rotary_dim) // 2  # dims per half that do not rotate
@@ -92,4 +121,4 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + swapped * signed_sin
 
 
-__all__ = ["RopeTable", "apply_rope", "rope_inv_freq"]
+__all__ = ["RopeTable", "apply_rope", "rope_inv_freq", "yarn_inv_freq"]

@@ -20,7 +20,7 @@ TINY_KINDS = ("gpt2", "llama", "qwen2")
 # Lesson 17's families, each with every switch it brings turned on and a sliding window (8)
 # shorter than the prompts the checks use.
 FAMILY_KINDS = ("gemma3", "gemma2", "qwen3", "mistral", "phi3", "opt", "opt-pre", "gptj")
-MOE_KINDS = ("qwen3_moe",)  # mixtures of experts (lesson 17's next families), built like FAMILY_KINDS
+MOE_KINDS = ("qwen3_moe", "gpt_oss")  # mixtures of experts (lesson 17's next families), built like FAMILY_KINDS
 TINY_WINDOW = 8
 
 
@@ -83,6 +83,12 @@ def tiny_family_model(kind: str, vocab_size: int, context_length: int):
         return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                         moe_intermediate_size=24, norm_topk_prob=True,
                                                         mlp_only_layers=[1], **llama_like))
+    if kind == "gpt_oss":  # 4 experts, 2 per token; YaRN stretching a 16-token pretraining context 4 times
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": context_length // 4}
+        return tf.GptOssForCausalLM(tf.GptOssConfig(
+            head_dim=16, num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope, sliding_window=TINY_WINDOW,
+            **dict(llama_like, intermediate_size=24)))
     if kind == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=TINY_WINDOW, **llama_like))
     if kind == "phi3":

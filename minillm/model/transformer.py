@@ -32,6 +32,7 @@ off switch and each checked equal to this plain model.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -59,9 +60,9 @@ class SlidingWindow:
         self.window = window
 
     def __call__(self, step: AttentionStep, num_keys: int) -> AttentionStep:
-        if step.packed is not None:
-            raise ValueError("sliding-window attention over a packed paged batch is not supported yet: "
-                             "run this model with the decode session (cache='static' or 'dynamic')")
+        if step.packed is not None:  # the engine's step: its masks narrowed (`PackedSequences.windowed`)
+            return step.once(("sliding window", self.window),
+                             lambda: AttentionStep(step.positions, None, step.packed.windowed(self.window)))
         if num_keys <= self.window:  # a query's position is below num_keys: every key is near enough
             return step
         return step.once(("sliding window", self.window, num_keys), lambda: self._windowed(step, num_keys))
@@ -96,6 +97,7 @@ class Attention(nn.Module):
         scalar = config.query_pre_attn_scalar
         self.q_scale = math.sqrt(self.head_dim / scalar) if scalar not in (None, self.head_dim) else None
         self.window = window
+        self.sinks = nn.Parameter(torch.empty(self.n_head)) if config.attn_sinks else None
         self.backend = SDPABackend()
 
     def forward(self, x, rope, layer, cache, step: AttentionStep):
@@ -115,6 +117,11 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v)  # [B, KV, S, hd]: everything stored so far
         if self.window is not None:
             step = self.window(step, k.shape[2])
+        if self.sinks is not None:
+            if not getattr(self.backend, "handles_sinks", False):
+                raise ValueError(f"attention sinks (gpt-oss) join the softmax, which the {self.backend.name!r} "
+                                 f"attention backend does not expose: run this model with the default backend")
+            step = replace(step, sinks=self.sinks)
         y = self.backend(q, k, v, step)  # [B, H, T, hd]
         return self.proj(y.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, d_model]
 

@@ -104,8 +104,9 @@ def reorder_fused_qkv(config: ModelConfig, interleaved: bool = False):
     return lambda t: torch.cat((qk(t[:rows]), t[rows:]))
 
 
-def llama_like_state(b: StateBuilder, config: ModelConfig) -> None:
-    """Llama, Qwen2/3, Mistral, Gemma 2/3 (separate q/k/v and gate/up) and Phi-3 (fused)."""
+def llama_like_state(b: StateBuilder, config: ModelConfig, experts=None) -> None:
+    """Llama, Qwen2/3, Mistral, Gemma 2/3 (separate q/k/v and gate/up), Phi-3 (fused) and the mixtures of experts
+    built on them (`experts`: how the family stores its experts; Qwen3-MoE's by default)."""
     b.put("tok_emb.weight", "embed_tokens.weight")
     fused = "layers.0.self_attn.qkv_proj.weight" in b.w
     gemma = config.post_norms
@@ -116,9 +117,12 @@ def llama_like_state(b: StateBuilder, config: ModelConfig) -> None:
             b.put_linear(q + "attn.qkv", [att + "qkv_proj"], config.qkv_bias, reorder_fused_qkv(config))
         else:
             b.put_linear(q + "attn.qkv", [att + f"{x}_proj" for x in "qkv"], config.qkv_bias)
-        b.put(q + "attn.proj.weight", att + "o_proj.weight")
+        b.put_linear(q + "attn.proj", [att + "o_proj"], config.bias if config.attn_out_bias is None
+                     else config.attn_out_bias)
+        if config.attn_sinks:
+            b.put(q + "attn.sinks", att + "sinks")
         if config.is_moe(i):
-            experts_state(b, config, p + "mlp.", q + "mlp.")
+            (experts or experts_state)(b, config, p + "mlp.", q + "mlp.")
         elif fused:
             b.put(q + "mlp.fc.weight", p + "mlp.gate_up_proj.weight")
         else:
@@ -153,6 +157,23 @@ def experts_state(b: StateBuilder, config: ModelConfig, p: str, q: str) -> None:
     b.state[q + "down"] = torch.stack([b.w[f"{p}experts.{e}.down_proj.weight"] for e in experts])
     b.origin[q + "gate_up"] = f"{p}experts.{{0..{len(experts) - 1}}}.{{gate,up}}_proj.weight"
     b.origin[q + "down"] = f"{p}experts.{{0..{len(experts) - 1}}}.down_proj.weight"
+
+
+def gpt_oss_experts_state(b: StateBuilder, config: ModelConfig, p: str, q: str) -> None:
+    """gpt-oss's router and experts: biased, stored input-major (`gate_up_proj` [E, d, 2ff], `down_proj` [E, ff, d])
+    with each gate column followed by its up column; turned into `experts_state`'s layout, gates then ups."""
+    def gates_then_ups(t: torch.Tensor) -> torch.Tensor:  # [E, 2ff, ...]: rows 0, 2, 4, ... then 1, 3, 5, ...
+        return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+    b.put_linear(q + "router", [p + "router"], bias=True)
+    b.put(q + "gate_up", p + "experts.gate_up_proj", change=lambda t: gates_then_ups(t.transpose(1, 2)))
+    b.put(q + "gate_up_bias", p + "experts.gate_up_proj_bias", change=gates_then_ups)
+    b.put(q + "down", p + "experts.down_proj", change=lambda t: t.transpose(1, 2))
+    b.put(q + "down_bias", p + "experts.down_proj_bias")
+
+
+def gpt_oss_state(b: StateBuilder, config: ModelConfig) -> None:
+    llama_like_state(b, config, experts=gpt_oss_experts_state)
 
 
 def gpt2_state(b: StateBuilder, config: ModelConfig) -> None:
@@ -206,4 +227,4 @@ def opt_state(b: StateBuilder, config: ModelConfig) -> None:
         b.put_norm("norm_f", "final_layer_norm", bias=True)
 
 
-__all__ = ["StateBuilder", "gpt2_state", "gptj_state", "llama_like_state", "opt_state", "rotary_order"]
+__all__ = ["StateBuilder", "gpt2_state", "gpt_oss_state", "gptj_state", "llama_like_state", "opt_state", "rotary_order"]

@@ -102,7 +102,7 @@ class ModelRunner:
         if graph == "auto":  # the compiled graphs when they are already built for this run, else eager
             eligible = (cache in ("static", "paged") and isinstance(model, torch.nn.Module)
                         and model.device.type == "cpu"  # a GPU keeps nothing: it compiles and records when asked
-                        and graph_problem(model.config) is None  # long RoPE, experts: no fixed graph
+                        and graph_problem(model.config, cache) is None  # long RoPE, experts: no fixed graph
                         and uses_default_attention(model))  # another kernel asked for (lesson 16) runs eagerly
             kept = compile_model(model, kept=True) if eligible else None
             problems = list(map(kept.kept_problem, shapes)) if eligible else []
@@ -118,6 +118,8 @@ class ModelRunner:
         if graph == "compiled" and cache not in ("static", "paged"):
             raise ValueError(f"compiled graphs run over the static cache (the engine's over the paged one), not "
                              f"cache={cache!r}: use cache='static'")
+        if graph == "compiled" and cache == "paged" and (problem := graph_problem(model.config, cache)):
+            raise ValueError(f"{problem}: serve this model without --compile")
         if graph == "compiled" and cache == "paged" and model.device.type != "cpu":
             raise ValueError("the engine's compiled step is built for the CPU only so far: on a GPU serve eagerly "
                              "(drop --compile), or decode one batch with python -m minillm.infer --compile")

@@ -28,9 +28,6 @@ def build_server(model, tokenizer, *, model_name: str, max_model_len: int | None
     """
     if tokenizer is None:
         raise ValueError(f"model {model_name!r} ships no tokenizer (tokenizer.json): a server needs one")
-    if model.config.sliding_window is not None:
-        raise ValueError(f"model {model_name!r} has sliding-window attention layers, which the paged engine does "
-                         f"not support yet: serve a Llama-, Qwen2- or GPT-2-style model")
     engine = Engine(model, tokenizer, **engine_options)
     limit = context_limit(model, engine, max_model_len)
     metrics = ServerMetrics(model_name)

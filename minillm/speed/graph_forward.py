@@ -35,13 +35,17 @@ class FixedRope:
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
 
 
-def graph_problem(config) -> str | None:
-    """Why no fixed graph can hold this model's forward (None: one can): it branches on values it computes."""
+def graph_problem(config, cache: str | None = None) -> str | None:
+    """Why no fixed graph can hold this model's forward (None: one can): it branches on values it computes, or
+    (over the engine's paged cache, `cache="paged"`) on how many keys a step reads."""
     if config.rope_long_factor is not None:
         return ("long-RoPE models (Phi-3 with rope_long_factor) pick their RoPE table by the largest position, which "
                 "a fixed graph cannot do")
     if config.num_experts:
         return "a mixture of experts runs the experts its tokens pick, a loop over data that a fixed graph cannot hold"
+    if cache == "paged" and config.sliding_window is not None:
+        return ("a sliding window's mask depends on how many keys each step reads, which the engine's one paged "
+                "graph leaves open")
     return None
 
 
