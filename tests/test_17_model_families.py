@@ -21,6 +21,7 @@ from minillm.model.checkpoint import config_from_hf
 from minillm.model.families import FAMILIES
 from minillm.model.fetch import AssembledFile, FetchError, ModelLoadError, PackagedFile
 from minillm.model.loading import GEMMA3_PARTS, resolve_checkpoint_folder
+from minillm.model.rope import apply_rope
 from minillm.model.tiny import FAMILY_KINDS, MOE_KINDS, TINY_WINDOW, tiny_pair
 from minillm.model.transformer import SlidingWindow, Transformer
 from minillm.strategies.beam import beam_search
@@ -290,10 +291,11 @@ def test_a_mixture_of_experts_routes_each_token_to_its_top_k_as_the_definition_s
         torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_mixture_of_experts_serves_through_the_engine_and_counts_each_experts_load():
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_a_mixture_of_experts_serves_through_the_engine_and_counts_each_experts_load(kind):
     from minillm.runtime.engine import Engine
 
-    _, model = tiny_pair("qwen3_moe")
+    _, model = tiny_pair(kind)
     prompts = [random_tokens(1, 14, seed=5)[0].tolist(), random_tokens(1, 9, seed=6)[0].tolist()]
     expected = generate(model, prompts, max_new_tokens=8, eos_token_id=()).token_ids
     moe_layers = [block.mlp for block in model.blocks if hasattr(block.mlp, "count_load")]
@@ -408,3 +410,86 @@ def test_gpt_oss_routes_the_top_k_logits_through_a_softmax_and_clamps_its_swiglu
     expected = (weights.T[..., None] * torch.stack(every)).sum(0).view_as(x)
     with torch.no_grad():
         torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- DeepSeek-V3: latent attention and experts routed in groups, with shared ones. ---------------------------------
+
+def test_latent_attention_caches_one_latent_per_token_and_no_values():
+    """Per token and layer the cache holds the latent (12) and the RoPE key (4) once for all 4 heads; the same heads
+    with their own keys (8 + 4 dims) and values (6) would hold 4 · 18 = 72 numbers."""
+    from minillm.cache.kv_cache import StaticCache
+    from minillm.cache.paged import PagedKVCache
+    from minillm.runtime.engine import kv_bytes_per_token
+
+    _, model = tiny_pair("deepseek_v3")
+    c = model.config
+    static, paged = StaticCache.for_model(model, 1, 32), PagedKVCache.for_model(model, 4, 8)
+    assert static.k.shape[2:] == (1, 32, 16) and static.v.numel() == 0 and paged.v.numel() == 0
+    assert kv_bytes_per_token(model) == c.n_layer * 16 * 4
+    assert c.n_head * (c.qk_nope_dim + c.head_size + c.v_head_dim) == 72
+
+
+def test_latent_attention_absorbed_equals_expanded_keys_and_values():
+    """The layer attends over the latents with W_uk folded into the query and W_uv applied after; expanding every
+    cached latent into each head's key and value, as the definition reads, gives the same output."""
+    _, model = tiny_pair("deepseek_v3")
+    attn, c = model.blocks[1].attn, model.config
+    x = torch.randn(1, 7, c.d_model, generator=torch.Generator().manual_seed(5))
+    rope = model.rope(torch.arange(7)[None], x.dtype)
+    H, nope, r, latent, v_dim = c.n_head, c.qk_nope_dim, c.head_size, c.kv_lora_rank, c.v_head_dim
+    with torch.no_grad():
+        got = attn(x, rope, 0, None, AttentionStep(torch.arange(7)[None]))
+        q = attn.q_up(attn.q_norm(attn.q_down(x))).view(1, 7, H, nope + r)
+        lat, k_rot = attn.kv_down(x).split([latent, r], -1)
+        kv = attn.kv_up(attn.kv_norm(lat)).view(1, 7, H, nope + v_dim)
+        q_rot, k_rot = apply_rope(q[..., nope:], *rope), apply_rope(k_rot[:, :, None], *rope).expand(1, 7, H, r)
+        keys = torch.cat((kv[..., :nope], k_rot), -1).transpose(1, 2)  # [1, H, 7, nope + r]
+        queries = torch.cat((q[..., :nope], q_rot), -1).transpose(1, 2)
+        scores = queries @ keys.transpose(-1, -2) / c.query_pre_attn_scalar ** 0.5
+        weights = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+        expected = attn.proj((weights @ kv[..., nope:].transpose(1, 2)).transpose(1, 2).reshape(1, 7, H * v_dim))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_deepseek_routes_by_sigmoid_within_the_best_groups_and_adds_its_shared_experts():
+    """Brute force, token by token: groups scored by their two best biased scores, the best two of four groups
+    kept, the top-2 experts there by biased score, weighted by their unbiased scores rescaled to sum 1 times 2.5;
+    every picked expert and the shared one applied."""
+    _, model = tiny_pair("deepseek_v3")
+    moe = model.blocks[1].mlp
+    assert moe.score_bias.abs().sum() > 0
+    h = torch.randn(9, model.config.d_model, generator=torch.Generator().manual_seed(6))
+
+    def gated(x, gate_up, down):
+        gate, up = (x @ gate_up.T).chunk(2, -1)
+        return (torch.nn.functional.silu(gate) * up) @ down.T
+
+    expected = []
+    for x in h:
+        scores = (x @ moe.router.weight.T).sigmoid()
+        biased = scores + moe.score_bias
+        groups = biased.view(4, 2).sort(descending=True).values[:, :2].sum(-1)
+        kept = set(groups.argsort(descending=True)[:2].tolist())
+        allowed = [e for e in range(8) if e // 2 in kept]
+        picked = sorted(allowed, key=lambda e: -biased[e])[:2]
+        weights = scores[picked] / scores[picked].sum() * 2.5
+        y = sum(w * gated(x, moe.gate_up[e], moe.down[e]) for w, e in zip(weights, picked))
+        expected.append(y + gated(x, moe.shared_fc.weight, moe.shared_proj.weight))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(h[None])[0], torch.stack(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_latent_attention_refuses_a_graph_quantization_and_a_split_in_one_line():
+    """A dense model with latent attention (no experts to refuse first)."""
+    from minillm.parallel.shard import check_split
+    from minillm.speed.compile import CompiledModel
+    from minillm.speed.quant_gguf import apply_quantization
+
+    _, moe_model = tiny_pair("deepseek_v3")
+    model = Transformer(replace(moe_model.config, num_experts=0, dense_layers=())).eval()
+    with pytest.raises(ValueError, match=r"^latent attention caches one latent per token.*without compile"):
+        CompiledModel(model)
+    with pytest.raises(ValueError, match=r"^--quant int8: latent attention reads its up-projection"):
+        apply_quantization(model, "int8", "unused")
+    with pytest.raises(ValueError, match=r"^--tp 2: latent attention does not split yet"):
+        check_split(model.config, 2)

@@ -233,7 +233,7 @@ class CacheRecorder:
     """Stands in for a model: one layer, one KV head; writes [token id, forward number] as each token's key and
     [position, 0] as its value, so a cache can be read back, and keeps every forward's mask."""
 
-    config = SimpleNamespace(n_layer=1, kv_heads=1, head_size=2, context_length=64)
+    config = SimpleNamespace(n_layer=1, kv_heads=1, head_size=2, context_length=64, cache_widths=(1, 2, 2))
     dtype, device = torch.float32, torch.device("cpu")
 
     def __init__(self):
@@ -338,7 +338,8 @@ class CachedTree(torch.nn.Module):
     def __init__(self, seed):
         super().__init__()
         self.seed, self.rows_seen = seed, []
-        self.config = SimpleNamespace(vocab_size=5, context_length=16, n_layer=1, kv_heads=1, head_size=1)
+        self.config = SimpleNamespace(vocab_size=5, context_length=16, n_layer=1, kv_heads=1, head_size=1,
+                                      cache_widths=(1, 1, 1))
         self.dtype, self.device = torch.float32, torch.device("cpu")
 
     def probabilities(self, prefix):

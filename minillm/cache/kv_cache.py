@@ -180,11 +180,11 @@ class StaticCache(KVCache):
     """
 
     def __init__(self, n_layer, batch, n_kv_head, head_dim, max_len, dtype=torch.float32, device=None,
-                 fixed_shape: bool = False):
+                 fixed_shape: bool = False, value_dim: int | None = None):
         super().__init__(n_layer)
         shape = (n_layer, batch, n_kv_head, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(*shape[:-1], head_dim if value_dim is None else value_dim, dtype=dtype, device=device)
         self.k_layers = [self.k[layer] for layer in range(n_layer)]  # per-layer views, made once
         self.v_layers = [self.v[layer] for layer in range(n_layer)]
         self.max_len, self.fixed_shape = max_len, fixed_shape
@@ -193,8 +193,9 @@ class StaticCache(KVCache):
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, fixed_shape: bool = False) -> "StaticCache":
         c = model.config
-        return cls(c.n_layer, batch, c.kv_heads, c.head_size, max_len, dtype=model.dtype, device=model.device,
-                   fixed_shape=fixed_shape)
+        heads, key, value = c.cache_widths
+        return cls(c.n_layer, batch, heads, key, max_len, dtype=model.dtype, device=model.device,
+                   fixed_shape=fixed_shape, value_dim=value)
 
     def key_span(self, new_tokens):
         return self.max_len if self.fixed_shape else super().key_span(new_tokens)

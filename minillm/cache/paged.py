@@ -134,17 +134,19 @@ class PagedKVCache:
     """
 
     def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype=torch.float32, device=None):
+                 dtype=torch.float32, device=None, value_dim: int | None = None):
         shape = (n_layer, num_blocks, block_size, n_kv_head, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(*shape[:-1], head_dim if value_dim is None else value_dim, dtype=dtype, device=device)
         self.n_layer, self.num_blocks, self.block_size = n_layer, num_blocks, block_size
         self.n_kv_head, self.head_dim = n_kv_head, head_dim
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int) -> "PagedKVCache":
         c = model.config
-        return cls(c.n_layer, c.kv_heads, c.head_size, num_blocks, block_size, dtype=model.dtype, device=model.device)
+        heads, key, value = c.cache_widths
+        return cls(c.n_layer, heads, key, num_blocks, block_size, dtype=model.dtype, device=model.device,
+                   value_dim=value)
 
     def begin_step(self, packed: PackedSequences) -> None:
         """The next forward writes these new tokens (at packed.slots)."""
@@ -225,18 +227,19 @@ def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for a packed step, each sequence over its own keys read from the pool.
 
-    q [1, H, N, hd]; k_pool, v_pool [num_blocks, block_size, KV, hd] (one layer's pools).
+    q [1, H, N, hd]; k_pool [num_blocks, block_size, KV, hd], v_pool [..., KV, hv] (one layer's pools; the
+    values' width hv is hd but for latent attention's, which reads its values off its keys).
     The one-token sequences (decodes) run as one batch: their blocks gathered into
     [D, KV, L, hd], padded to the longest and masked, and each KV head's `group` query
     heads treated as `group` queries of that head, as `SDPABackend` decodes. Each longer
     chunk (a prefill) runs alone, causal after the keys already in its sequence. A layer
     with sinks (gpt-oss) runs both through `attention_with_sinks`.
-    Returns [1, H, N, hd], the same as `paged_attention` gives (the reference).
+    Returns [1, H, N, hv], the same as `paged_attention` gives (the reference).
     """
     H, hd = q.shape[1], q.shape[3]
     KV = k_pool.shape[2]
     group = H // KV
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v_pool.shape[-1])
     D = len(packed.decode_queries)
     if D:
         queries = q[0, :, packed.decode_queries].transpose(0, 1)  # [D, H, hd]
@@ -247,7 +250,7 @@ def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         else:  # [D, KV, group, hd]
             y = F.scaled_dot_product_attention(queries.reshape(D, KV, group, hd), keys, values,
                                                attn_mask=packed.decode_mask)
-        out[0, :, packed.decode_queries] = y.reshape(D, H, hd).transpose(0, 1)
+        out[0, :, packed.decode_queries] = y.reshape(D, H, -1).transpose(0, 1)
     for first, end, table, causal in packed.chunks:
         keys = gather_blocks(k_pool, table)[None]  # [1, KV, L, hd]
         values = gather_blocks(v_pool, table)[None]

@@ -272,8 +272,9 @@ def weight_bytes(config: ModelConfig, bytes_per_weight: float = 4.0, head_bytes_
 
 
 def kv_bytes_per_token(config: ModelConfig, element: float = 4.0) -> float:
-    """A key and a value vector per KV head per layer: what the cache stores for each token."""
-    return 2 * config.n_layer * config.kv_heads * config.head_size * element
+    """A key and a value vector per KV head per layer (latent attention: one latent): what the cache stores for each
+    token."""
+    return config.cache_values_per_token * element
 
 
 def attention_flops(config: ModelConfig, queries: int, keys: int) -> int:

@@ -122,7 +122,7 @@ class SDPABackend:
             mask = step.once(("grouped mask", group, T, S),
                              lambda: mask.repeat(*[1] * (mask.dim() - 2), group, 1))  # [..., group * T, S]
         grouped = F.scaled_dot_product_attention(q.reshape(B, KV, group * T, hd), k, v, attn_mask=mask)
-        return grouped.reshape(B, H, T, hd)
+        return grouped.reshape(B, H, T, -1)  # the values' width (latent attention's differs from hd)
 
 
 def set_attention_backend(model, backend) -> None:

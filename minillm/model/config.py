@@ -13,7 +13,7 @@ NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
 MLPS = ("gelu", "relu", "swiglu", "geglu")
 BLOCKS = ("pre", "post", "parallel")
 LAYER_TYPES = ("full", "sliding")
-ROUTERS = ("softmax_topk", "topk_softmax")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_groups")
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,21 @@ class ModelConfig:
     moe_ff: int | None = None  # each expert's hidden size (None: d_ff)
     norm_topk_prob: bool = False  # rescale the k picked probabilities to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP although the model has experts
-    expert_router: str = "softmax_topk"  # "softmax_topk" (Qwen3-MoE) or "topk_softmax": softmax over the k picked
+    expert_router: str = "softmax_topk"  # "softmax_topk" (Qwen3-MoE), "topk_softmax" (gpt-oss), "sigmoid_groups"
+    expert_groups: tuple[int, int] = (1, 1)  # sigmoid_groups (DeepSeek-V3): experts in this many groups, this many kept
+    routed_scale: float = 1.0  # the picked experts' weights times this (DeepSeek-V3's routed_scaling_factor)
+    shared_ff: int = 0  # hidden size of the experts every token runs besides its picks (DeepSeek-V3); 0: none
     expert_bias: bool = False  # a bias on the router and on each expert's projections (gpt-oss)
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g), g clamped
     swiglu_alpha: float = 1.702  # ... and its sigmoid's gain
     # --- attention sinks (gpt-oss) ---
     attn_sinks: bool = False  # one learned logit per head joins each softmax: attention may go nowhere
+    # --- multi-head latent attention (DeepSeek-V3): keys and values from one small cached latent per token ---
+    kv_lora_rank: int = 0  # the latent's width; 0: ordinary attention. head_dim is then the RoPE part's width
+    q_lora_rank: int | None = None  # queries through a latent of this width too (None: one projection)
+    qk_nope_dim: int = 0  # each head's query/key dims without position (from the latent)
+    v_head_dim: int = 0  # each head's value width
+    rope_interleaved: bool = False  # the checkpoint's RoPE turns neighbouring dims: the loader reorders their rows
 
     def __post_init__(self):
         for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("block", BLOCKS)):
@@ -108,6 +117,20 @@ class ModelConfig:
     @property
     def embed_size(self) -> int:
         return self.d_embed or self.d_model
+
+    @property
+    def cache_widths(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of one token's cache entry in one layer. Latent attention caches one
+        entry per token, the latent and the RoPE key side by side, and reads its values off the latent: no values."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.head_size, 0
+        return self.kv_heads, self.head_size, self.head_size
+
+    @property
+    def cache_values_per_token(self) -> int:
+        """Numbers the KV cache holds for each token, over all layers."""
+        heads, key, value = self.cache_widths
+        return self.n_layer * heads * (key + value)
 
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends through a sliding window."""

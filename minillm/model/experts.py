@@ -9,6 +9,13 @@ those k alone (`expert_router="topk_softmax"`), puts a bias on the router and on
 expert's projections, and clamps its SwiGLU (`swiglu_limit`): the gate at most `limit`,
 the up projection within ±limit, then (up + 1) · gate · sigmoid(alpha · gate).
 
+DeepSeek-V3 scores each expert with a sigmoid (`expert_router="sigmoid_groups"`), picks with
+those scores plus a learned per-expert bias that only steers the choice (its load balancing
+without an auxiliary loss), and only among the best few groups of experts (a group's score is
+the sum of its two best); the picked scores, rescaled to sum 1 and times `routed_scale`, are
+the weights. Beside its picks every token also runs the shared experts, one dense gated MLP
+(`shared_ff` wide).
+
 A model with 128 experts of which 8 run per token holds 16 times the MLP weights it reads for one
 token: the parameters grow, the work per token does not. The experts' weights are stored as the
 checkpoints of transformers 5 store them, one tensor for all experts (`gate_up` [E, 2·ff, d],
@@ -29,25 +36,48 @@ class MoE(nn.Module):
         super().__init__()
         E, d, ff = config.num_experts, config.d_model, config.moe_ff or config.ff_size
         self.top_k, self.normalize = config.experts_per_token, config.norm_topk_prob
-        self.softmax_first = config.expert_router == "softmax_topk"
+        self.kind = config.expert_router
+        self.groups, self.groups_kept = config.expert_groups
+        self.routed_scale = config.routed_scale
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         self.router = nn.Linear(d, E, bias=config.expert_bias)
         self.gate_up = nn.Parameter(torch.empty(E, 2 * ff, d))
         self.down = nn.Parameter(torch.empty(E, d, ff))
         self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * ff)) if config.expert_bias else None
         self.down_bias = nn.Parameter(torch.empty(E, d)) if config.expert_bias else None
+        if self.kind == "sigmoid_groups":
+            self.register_buffer("score_bias", torch.zeros(E))  # steers the choice only, never the weights
+        self.shared_fc = nn.Linear(d, 2 * config.shared_ff, bias=False) if config.shared_ff else None
+        self.shared_proj = nn.Linear(config.shared_ff, d, bias=False) if config.shared_ff else None
         self.load: torch.Tensor | None = None  # tokens each expert served, summed over the forwards since reset
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [N, d] -> (weights [N, k] in h's dtype, experts long [N, k]): each token's picks and their weights."""
+        if self.kind == "sigmoid_groups":
+            return self.route_in_groups(h)
         logits = self.router(h)
-        if not self.softmax_first:  # gpt-oss: the k largest logits, then a softmax over those k
+        if self.kind == "topk_softmax":  # gpt-oss: the k largest logits, then a softmax over those k
             top, experts = logits.topk(self.top_k, dim=-1)
             return top.softmax(-1), experts
         weights, experts = logits.softmax(-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(h.dtype), experts
+
+    def route_in_groups(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing (see the module docstring), in float32 as transformers computes it."""
+        scores = F.linear(h.float(), self.router.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.score_bias
+        N, E = choice.shape
+        group_scores = choice.view(N, self.groups, E // self.groups).topk(2, dim=-1).values.sum(-1)  # [N, groups]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(
+            1, group_scores.topk(self.groups_kept, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(E // self.groups, dim=1), float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scale).to(h.dtype), experts
 
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Expert e's gated MLP on the tokens h [n, d] it serves -> [n, d]."""
@@ -69,6 +99,9 @@ class MoE(nn.Module):
         for e in experts.unique().tolist():  # the experts some token picked, each over the tokens it serves
             token, slot = (experts == e).nonzero(as_tuple=True)
             out.index_add_(0, token, self.expert(e, h[token]) * weights[token, slot, None])
+        if self.shared_fc is not None:
+            gate, up = self.shared_fc(h).chunk(2, dim=-1)
+            out = out + self.shared_proj(F.silu(gate) * up)
         return out.view_as(x)
 
     def count_load(self) -> None:

@@ -24,7 +24,8 @@ import torch
 
 from .config import ModelConfig
 from .fetch import ModelLoadError
-from .weight_names import StateBuilder, gpt2_state, gpt_oss_state, gptj_state, llama_like_state, opt_state
+from .weight_names import (StateBuilder, deepseek_v3_state, gpt2_state, gpt_oss_state, gptj_state, llama_like_state,
+                           opt_state)
 
 
 class UnsupportedModel(ModelLoadError):
@@ -155,6 +156,31 @@ def gpt_oss_config(hf: dict) -> ModelConfig:
                       swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
 
 
+def deepseek_v3_config(hf: dict) -> ModelConfig:
+    """DeepSeek-V3: multi-head latent attention, the first `first_k_dense_replace` layers dense, then experts routed
+    by sigmoid scores within the best groups, with shared experts beside them; YaRN's temperature also scales the
+    attention scores (by its mscale_all_dim, squared)."""
+    silu_only(hf)
+    rope = rope_settings(hf)
+    qk_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+    temperature = 1.0
+    if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        temperature = 1.0 if factor <= 1 else 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0
+    dense = hf.get("first_k_dense_replace") or 0
+    return llama_like(hf, head_dim=hf["qk_rope_head_dim"], qkv_bias=hf.get("attention_bias", False),
+                      attn_out_bias=hf.get("attention_bias", False), kv_lora_rank=hf["kv_lora_rank"],
+                      q_lora_rank=hf.get("q_lora_rank"), qk_nope_dim=hf["qk_nope_head_dim"],
+                      v_head_dim=hf["v_head_dim"], rope_interleaved=bool(hf.get("rope_interleave", True)),
+                      query_pre_attn_scalar=qk_dim / temperature ** 4, num_experts=hf["n_routed_experts"],
+                      experts_per_token=hf["num_experts_per_tok"], moe_ff=hf["moe_intermediate_size"],
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", True)), expert_router="sigmoid_groups",
+                      expert_groups=(hf.get("n_group") or 1, hf.get("topk_group") or 1),
+                      routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                      shared_ff=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+                      dense_layers=tuple(range(min(dense, hf["num_hidden_layers"]))))
+
+
 def mistral_config(hf: dict) -> ModelConfig:
     """Mistral: Llama with a sliding window on every layer."""
     silu_only(hf)
@@ -272,6 +298,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("qwen3", "Qwen3ForCausalLM", qwen_config, llama_like_state),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qwen3_moe_config, llama_like_state),
     Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, gpt_oss_state),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", deepseek_v3_config, deepseek_v3_state),
     Family("mistral", "MistralForCausalLM", mistral_config, llama_like_state),
     Family("phi3", "Phi3ForCausalLM", phi3_config, llama_like_state),
     Family("gemma2", "Gemma2ForCausalLM", gemma_config, llama_like_state),

@@ -20,7 +20,9 @@ TINY_KINDS = ("gpt2", "llama", "qwen2")
 # Lesson 17's families, each with every switch it brings turned on and a sliding window (8)
 # shorter than the prompts the checks use.
 FAMILY_KINDS = ("gemma3", "gemma2", "qwen3", "mistral", "phi3", "opt", "opt-pre", "gptj")
-MOE_KINDS = ("qwen3_moe", "gpt_oss")  # mixtures of experts (lesson 17's next families), built like FAMILY_KINDS
+# Mixtures of experts (lesson 17's next families), built like FAMILY_KINDS: Qwen3-MoE, gpt-oss (sinks, YaRN) and
+# DeepSeek-V3 (latent attention, experts in groups and shared ones).
+MOE_KINDS = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 TINY_WINDOW = 8
 
 
@@ -89,6 +91,14 @@ def tiny_family_model(kind: str, vocab_size: int, context_length: int):
         return tf.GptOssForCausalLM(tf.GptOssConfig(
             head_dim=16, num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope, sliding_window=TINY_WINDOW,
             **dict(llama_like, intermediate_size=24)))
+    if kind == "deepseek_v3":  # latent attention; layer 0 dense, then 8 experts in 4 groups (2 kept), 2 per token
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": context_length // 4}
+        return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            kv_lora_rank=12, q_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+            n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, moe_intermediate_size=16,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, rope_parameters=rope,
+            **dict(llama_like, num_key_value_heads=4)))
     if kind == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=TINY_WINDOW, **llama_like))
     if kind == "phi3":
@@ -112,8 +122,11 @@ def tiny_family_model(kind: str, vocab_size: int, context_length: int):
 
 def randomized(model, gemma: bool):
     """Every parameter random: matrices ~N(0, 0.1), biases ~N(0, 0.1), norm weights around 1 (Gemma: around 0,
-    since it adds the 1 itself)."""
+    since it adds the 1 itself); DeepSeek-V3's expert-choice biases (buffers) ~N(0, 0.1) too."""
     with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
         for name, p in model.named_parameters():
             if p.dim() >= 2 or name.endswith("bias"):
                 p.normal_(0.0, 0.1)

@@ -41,6 +41,7 @@ from torch import nn
 from .attention import AttentionStep, SDPABackend, causal_mask_lower_right
 from .config import ModelConfig
 from .experts import MoE
+from .latent_attention import LatentAttention
 from .norms import make_norm
 from .rope import RopeTable, apply_rope
 
@@ -169,7 +170,8 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, window: SlidingWindow | None = None, moe: bool = False):
         super().__init__()
         self.kind = config.block
-        self.norm1, self.attn = make_norm(config), Attention(config, window)
+        self.norm1 = make_norm(config)
+        self.attn = LatentAttention(config) if config.kv_lora_rank else Attention(config, window)
         self.norm2 = make_norm(config) if config.block != "parallel" else None
         self.mlp = MoE(config) if moe else MLP(config)
         self.post_attn_norm = make_norm(config) if config.post_norms else None

@@ -176,6 +176,46 @@ def gpt_oss_state(b: StateBuilder, config: ModelConfig) -> None:
     llama_like_state(b, config, experts=gpt_oss_experts_state)
 
 
+def deepseek_v3_state(b: StateBuilder, config: ModelConfig) -> None:
+    """DeepSeek-V3: latent attention (`minillm.model.latent_attention`), a dense MLP in the first layers and experts
+    with shared ones after. Its RoPE pairs neighbouring dims: their rows are reordered here so
+    the rotate-half RoPE the course uses turns the same pairs (`rotary_order`): `rope_interleaved` says so."""
+    rope, nope, latent = config.head_size, config.qk_nope_dim, config.kv_lora_rank
+    order = rotary_order(rope, rope, interleaved=True) if config.rope_interleaved else None
+
+    def rope_rows_last(width: int):  # a change reordering the last `rope` rows of each `width`-row head
+        if order is None:
+            return None
+        keep = torch.cat((torch.arange(width - rope), width - rope + order))
+        return lambda t: t.reshape(-1, width, *t.shape[1:])[:, keep].reshape(t.shape)
+
+    b.put("tok_emb.weight", "embed_tokens.weight")
+    for i in range(config.n_layer):
+        p, q = f"layers.{i}.", f"blocks.{i}."
+        att = p + "self_attn."
+        if config.q_lora_rank:
+            b.put_linear(q + "attn.q_down", [att + "q_a_proj"], config.qkv_bias)
+            b.put(q + "attn.q_norm.weight", att + "q_a_layernorm.weight")
+        b.put(q + "attn.q_up.weight", att + ("q_b_proj.weight" if config.q_lora_rank else "q_proj.weight"),
+              change=rope_rows_last(nope + rope))
+        b.put_linear(q + "attn.kv_down", [att + "kv_a_proj_with_mqa"], config.qkv_bias, rope_rows_last(latent + rope))
+        b.put(q + "attn.kv_norm.weight", att + "kv_a_layernorm.weight")
+        b.put(q + "attn.kv_up.weight", att + "kv_b_proj.weight")
+        b.put_linear(q + "attn.proj", [att + "o_proj"], config.qkv_bias)
+        b.put(q + "norm1.weight", p + "input_layernorm.weight")
+        b.put(q + "norm2.weight", p + "post_attention_layernorm.weight")
+        mlp = p + "mlp."
+        if config.is_moe(i):
+            experts_state(b, config, mlp, q + "mlp.")
+            b.put(q + "mlp.score_bias", mlp + "gate.e_score_correction_bias")
+            b.put(q + "mlp.shared_fc.weight", *[mlp + f"shared_experts.{x}_proj.weight" for x in ("gate", "up")])
+            b.put(q + "mlp.shared_proj.weight", mlp + "shared_experts.down_proj.weight")
+        else:
+            b.put(q + "mlp.fc.weight", mlp + "gate_proj.weight", mlp + "up_proj.weight")
+            b.put(q + "mlp.proj.weight", mlp + "down_proj.weight")
+    b.put("norm_f.weight", "norm.weight")
+
+
 def gpt2_state(b: StateBuilder, config: ModelConfig) -> None:
     t = lambda w: w.t()  # GPT-2's Conv1D stores [in, out]; nn.Linear wants [out, in]
     b.put("tok_emb.weight", "wte.weight")
@@ -227,4 +267,5 @@ def opt_state(b: StateBuilder, config: ModelConfig) -> None:
         b.put_norm("norm_f", "final_layer_norm", bias=True)
 
 
-__all__ = ["StateBuilder", "gpt2_state", "gpt_oss_state", "gptj_state", "llama_like_state", "opt_state", "rotary_order"]
+__all__ = ["StateBuilder", "deepseek_v3_state", "gpt2_state", "gpt_oss_state", "gptj_state", "llama_like_state",
+           "opt_state", "rotary_order"]

@@ -99,6 +99,9 @@ def check_split(config, world: int) -> None:
     if config.num_experts and world > 1:
         raise ValueError(f"--tp {world}: a mixture of experts does not split yet (its experts would go to ranks "
                          f"whole, expert parallelism): run it in one process")
+    if config.kv_lora_rank and world > 1:
+        raise ValueError(f"--tp {world}: latent attention does not split yet (each rank would need the whole latent "
+                         f"and its share of the up-projections): run it in one process")
     if config.ff_size % world:
         raise ValueError(f"--tp {world} does not divide the MLP's {config.ff_size} hidden units")
 

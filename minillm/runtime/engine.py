@@ -76,8 +76,7 @@ class StepRecord:
 
 def kv_bytes_per_token(model) -> int:
     """Keys and values one token occupies over all layers."""
-    c = model.config
-    return 2 * c.n_layer * c.kv_heads * c.head_size * model.tok_emb.weight.element_size()
+    return model.config.cache_values_per_token * model.tok_emb.weight.element_size()
 
 
 class Engine:

@@ -43,6 +43,9 @@ def graph_problem(config, cache: str | None = None) -> str | None:
                 "a fixed graph cannot do")
     if config.num_experts:
         return "a mixture of experts runs the experts its tokens pick, a loop over data that a fixed graph cannot hold"
+    if config.kv_lora_rank:
+        return ("latent attention caches one latent per token, not the keys and values per head the graphs are laid "
+                "out for")
     if cache == "paged" and config.sliding_window is not None:
         return ("a sliding window's mask depends on how many keys each step reads, which the engine's one paged "
                 "graph leaves open")

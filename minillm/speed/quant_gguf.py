@@ -288,6 +288,9 @@ def apply_quantization(model: nn.Module, method: str, name_or_path: str) -> nn.M
     if model.config.num_experts:
         raise ValueError(f"--quant {method}: the quantized kernels cover linear layers, not a mixture of experts' "
                          f"stacked expert weights: run this model in float (drop --quant)")
+    if model.config.kv_lora_rank:
+        raise ValueError(f"--quant {method}: latent attention reads its up-projection's weights directly (absorbed "
+                         f"into the queries), which a quantized layer does not hold: drop --quant")
     if method == "gguf":
         return use_gguf_weights(model, gguf_path_for(name_or_path))
     return quantize_model(model, method, head="int8" if method == "int4" else None)
