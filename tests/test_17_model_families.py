@@ -493,3 +493,42 @@ def test_latent_attention_refuses_a_graph_quantization_and_a_split_in_one_line()
         apply_quantization(model, "int8", "unused")
     with pytest.raises(ValueError, match=r"^--tp 2: latent attention does not split yet"):
         check_split(model.config, 2)
+
+
+def test_mxfp4_experts_hold_lesson_14s_blocks_and_run_as_their_decoded_values():
+    """--quant mxfp4 (gpt-oss's storage): each expert matrix becomes MXFP4 codes two to a byte and one E8M0 scale per
+    32, 4.25 bits a weight; the model then computes exactly as the float model whose experts hold lesson 14's
+    quantize-dequantize of the same matrices, and the router, attention and the rest are untouched."""
+    import copy
+
+    from minillm.speed.mx import quantize_dequantize
+    from minillm.speed.quant_gguf import apply_quantization
+
+    _, model = tiny_pair("gpt_oss")
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in reference.blocks:
+            for matrices in (block.mlp.gate_up, block.mlp.down):
+                matrices.copy_(quantize_dequantize(matrices, "mxfp4"))
+    weights = sum(block.mlp.gate_up.numel() + block.mlp.down.numel() for block in model.blocks)
+    apply_quantization(model, "mxfp4", "unused")
+    assert sum(block.mlp.packed.num_bytes() for block in model.blocks) * 8 == weights * 4.25
+    assert not any(name.endswith(("mlp.gate_up", "mlp.down")) for name, _ in model.named_parameters())
+    tokens = random_tokens(2, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(20).expand(2, 20)),
+                                   reference(tokens, torch.arange(20).expand(2, 20)), rtol=0, atol=1e-6)
+    assert generate(model, [tokens[0].tolist()], max_new_tokens=6).token_ids == \
+        generate(reference, [tokens[0].tolist()], max_new_tokens=6).token_ids
+
+
+def test_mxfp4_refuses_a_model_without_experts_or_with_partial_blocks_in_one_line():
+    from minillm.speed.quant_gguf import apply_quantization
+
+    for kind, expected in (("llama", r"^--quant mxfp4 keeps a mixture of experts' experts in MXFP4, and this model "
+                                     r"has no experts"),
+                           ("qwen3_moe", r"^--quant mxfp4: the experts' down rows hold 24 weights, not a multiple")):
+        _, model = tiny_pair(kind)
+        with pytest.raises(ValueError, match=expected):
+            apply_quantization(model, "mxfp4", "unused")
+        assert all(not hasattr(block.mlp, "packed") or block.mlp.packed is None for block in model.blocks)

@@ -47,6 +47,7 @@ class MoE(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(E, d)) if config.expert_bias else None
         if self.kind == "sigmoid_groups":
             self.register_buffer("score_bias", torch.zeros(E))  # steers the choice only, never the weights
+        self.packed = None  # the experts stored another way (`minillm.speed.mx_experts`): it gives expert e's matrices
         self.shared_fc = nn.Linear(d, 2 * config.shared_ff, bias=False) if config.shared_ff else None
         self.shared_proj = nn.Linear(config.shared_ff, d, bias=False) if config.shared_ff else None
         self.load: torch.Tensor | None = None  # tokens each expert served, summed over the forwards since reset
@@ -79,16 +80,21 @@ class MoE(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return (weights * self.routed_scale).to(h.dtype), experts
 
+    def matrices(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's gate/up [2ff, d] and down [d, ff] matrices, wherever they are kept."""
+        return self.packed(e) if self.packed is not None else (self.gate_up[e], self.down[e])
+
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Expert e's gated MLP on the tokens h [n, d] it serves -> [n, d]."""
         biased = self.gate_up_bias is not None
-        gate, up = F.linear(h, self.gate_up[e], self.gate_up_bias[e] if biased else None).chunk(2, dim=-1)
+        gate_up, down = self.matrices(e)
+        gate, up = F.linear(h, gate_up, self.gate_up_bias[e] if biased else None).chunk(2, dim=-1)
         if self.limit is None:
             hidden = F.silu(gate) * up
         else:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             hidden = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-        return F.linear(hidden, self.down[e], self.down_bias[e] if biased else None)
+        return F.linear(hidden, down, self.down_bias[e] if biased else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])  # [N, d]: every token of every row
@@ -106,7 +112,7 @@ class MoE(nn.Module):
 
     def count_load(self) -> None:
         """Start counting how many tokens each expert serves (`self.load`, long [E]): the load a picture draws."""
-        self.load = torch.zeros(self.gate_up.shape[0], dtype=torch.long, device=self.gate_up.device)
+        self.load = torch.zeros(self.router.out_features, dtype=torch.long, device=self.router.weight.device)
 
 
 __all__ = ["MoE"]

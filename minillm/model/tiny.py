@@ -90,7 +90,7 @@ def tiny_family_model(kind: str, vocab_size: int, context_length: int):
                 "truncate": False, "original_max_position_embeddings": context_length // 4}
         return tf.GptOssForCausalLM(tf.GptOssConfig(
             head_dim=16, num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope, sliding_window=TINY_WINDOW,
-            **dict(llama_like, intermediate_size=24)))
+            **dict(llama_like, intermediate_size=32)))  # rows of whole MXFP4 blocks (32), as gpt-oss's are
     if kind == "deepseek_v3":  # latent attention; layer 0 dense, then 8 experts in 4 groups (2 kept), 2 per token
         rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                 "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": context_length // 4}

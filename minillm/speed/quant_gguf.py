@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from ..model.gguf import read_gguf, unpermute_rope
 from ..model.loading import DEFAULT_ALIASES, GEMMA3_MODEL, default_gguf_path, gemma3_source, resolve_checkpoint_folder
 from .kquants import KQUANT_BLOCK, decode_kquant, dequantize_kquant, float16
+from .mx_experts import experts_in_mxfp4
 from .quant import Int4WeightLinear, Int8WeightLinear, QuantizationError, check_int4_shape, quantize_int4_groupwise
 from .quantize_model import quantize_model, replace_module
 
@@ -285,9 +286,11 @@ def apply_quantization(model: nn.Module, method: str, name_or_path: str) -> nn.M
     """The CLI's --quant: "gguf" runs the model's GGUF blocks (`name_or_path` says which file), the rest
     `minillm.speed.quantize_model.quantize_model`; int4 in groups of 32 (the finest the kernel offers) with an int8 head,
     as the GGUF path has (a 4-bit head costs more accuracy than every other matrix together: lesson 14)."""
+    if method == "mxfp4":
+        return experts_in_mxfp4(model)
     if model.config.num_experts:
         raise ValueError(f"--quant {method}: the quantized kernels cover linear layers, not a mixture of experts' "
-                         f"stacked expert weights: run this model in float (drop --quant)")
+                         f"stacked expert weights: keep those in MXFP4 (--quant mxfp4) or run in float")
     if model.config.kv_lora_rank:
         raise ValueError(f"--quant {method}: latent attention reads its up-projection's weights directly (absorbed "
                          f"into the queries), which a quantized layer does not hold: drop --quant")
