@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.cache.kv_cache import make_cache
+from minillm.cache.kinds import make_cache
 from minillm.decoding.sampling import SamplingConfig
 from minillm.strategies.drafters import Draft
 from minillm.strategies.speculative import SpeculativeDecoder

@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minillm.cache.kv_cache import DynamicCache, StaticCache, make_cache
+from minillm.cache.kinds import make_cache
+from minillm.cache.kv_cache import DynamicCache, StaticCache
 from minillm.model.tiny import tiny_pair
 from minillm.model.transformer import Transformer, causal_positions
 from minillm.strategies.generate import generate
 
-CACHES = ("static", "dynamic", "none")
+CACHES = ("static", "dynamic", "blocks", "none")
 
 
 def brute_force_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
@@ -51,7 +52,7 @@ def test_batched_caches_agree_past_the_context(tiny):
     _, model = tiny
     prompts = [[1, 2, 3], list(range(10, 50))]
     outs = {c: generate(model, prompts, cache=c, max_new_tokens=45, window_slide=4).token_ids for c in CACHES}
-    assert outs["static"] == outs["dynamic"] == outs["none"]
+    assert outs["static"] == outs["dynamic"] == outs["blocks"] == outs["none"]
 
 
 def small_context_copy(model, context_length: int) -> Transformer:
@@ -67,14 +68,14 @@ def test_default_model_caches_agree_past_the_context(default_model):
     prompt = tokenizer.encode("The three primary colours are")
     outs = {c: generate(small, [prompt], cache=c, max_new_tokens=24, eos_token_id=()).token_ids[0] for c in CACHES}
     assert len(prompt) + 24 > 20  # the window really slid
-    assert outs["static"] == outs["dynamic"] == outs["none"]
+    assert outs["static"] == outs["dynamic"] == outs["blocks"] == outs["none"]
 
 
 def test_default_model_caches_agree_within_the_context(default_model):
     model, tokenizer = default_model
     prompt = tokenizer.encode("Once upon a time")
     outs = {c: generate(model, [prompt], cache=c, max_new_tokens=16, eos_token_id=()).token_ids[0] for c in CACHES}
-    assert outs["static"] == outs["dynamic"] == outs["none"]
+    assert outs["static"] == outs["dynamic"] == outs["blocks"] == outs["none"]
 
 
 @pytest.mark.parametrize("cache_kind", ["static", "dynamic"])

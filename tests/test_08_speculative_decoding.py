@@ -13,7 +13,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from minillm.cache.kv_cache import StaticCache, make_cache
+from minillm.cache.kinds import make_cache
+from minillm.cache.kv_cache import StaticCache
 from minillm.decoding.sampling import SamplingConfig, process_logits
 from minillm.infer import main as cli_main
 from minillm.model.tiny import tiny_pair

@@ -77,10 +77,31 @@ def test_every_cache_kind_gives_the_same_beams(tiny_with_eos):
     _, model, eos = tiny_with_eos
     settings = dict(num_beams=4, num_return_sequences=4, max_new_tokens=14, eos_token_id=eos)
     static = beam_search(model, PROMPTS, cache="static", **settings)
-    for kind in ("dynamic", "none"):
+    for kind in ("dynamic", "blocks", "none"):
         other = beam_search(model, PROMPTS, cache=kind, **settings)
         assert other.token_ids == static.token_ids
         assert other.sequences_scores == pytest.approx(static.sequences_scores, abs=1e-5)
+
+
+def test_beams_on_shared_blocks_copy_at_most_a_block_per_beam_a_step(tiny_with_eos):
+    """A contiguous reorder copies every beam's whole rows each step: 2 (keys, values) · layers · beams · KV heads ·
+    length · head size floats. Beams in a block pool copy only the partial last block a beam writes into while it
+    shares it: at most one block per beam per step, whatever the length."""
+    _, model, _ = tiny_with_eos
+    c, beams, steps = model.config, 4, 40  # long enough that the bound below is under the contiguous copies
+    settings = dict(num_beams=beams, num_return_sequences=beams, max_new_tokens=steps, eos_token_id=())
+    static = beam_search(model, PROMPTS, cache="static", **settings)
+    blocks = beam_search(model, PROMPTS, cache="blocks", **settings)
+    assert blocks.token_ids == static.token_ids
+    floats = 2 * c.n_layer * c.kv_heads * c.head_size
+    # Selects copy every row's stored tokens: the prompts (padded to the longest) to their beams, then at step n
+    # (1 .. steps - 1, before the step's token is fed) the prompt and n - 1 tokens.
+    prompt = max(map(len, PROMPTS))
+    expected = len(PROMPTS) * beams * (prompt + sum(prompt + n - 1 for n in range(1, steps))) * floats * 4
+    assert static.stats.extra["cache_copied_bytes"] == expected
+    block_bytes = floats * 16 * 4  # the pool's blocks hold 16 tokens
+    copied = blocks.stats.extra["cache_copied_bytes"]
+    assert copied % block_bytes == 0 and 0 < copied <= len(PROMPTS) * beams * steps * block_bytes < expected
 
 
 def test_scores_are_summed_logprobs_over_length_to_the_penalty(tiny_with_eos):

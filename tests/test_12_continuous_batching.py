@@ -169,6 +169,43 @@ def test_a_sampled_request_depends_only_on_its_prompt_settings_and_seed(tiny):
         assert tokens == alone, f"arrivals {arrivals}"
 
 
+@pytest.mark.parametrize("length, copies", [(13, 2), (12, 0)], ids=["partial-last-block", "whole-blocks"])
+def test_n_choices_compute_their_prompt_once_and_draw_what_separate_requests_draw(tiny, length, copies):
+    """Three samples of one prompt (a server's n=3): added together, the prompt is prefilled once and the others
+    fork its blocks; each draws the tokens it draws alone. With the prefix cache off, separate requests compute the
+    prompt three times. The two that write into the shared partial last block first copy it; the last writes in
+    place; a prompt of whole blocks shares them all and copies nothing."""
+    _, model = tiny
+    (prompt,) = random_prompts(1, model.config.vocab_size, seed=8, shared=length, longest=2)
+    prompt = prompt[:length]
+    configs = [SamplingConfig(max_new_tokens=9, eos_token_id=(), do_sample=True, temperature=1.3, seed=s)
+               for s in (1, 2, 3)]
+    alone = solo_runs(model, [prompt] * 3, configs)
+    grouped = Engine(model, block_size=4, num_blocks=40, prefix_caching=False)
+    ids = grouped.add_requests(prompt, configs)
+    while grouped.has_unfinished():
+        grouped.step()
+    assert [grouped.output(i).token_ids for i in ids] == alone and len(set(map(tuple, alone))) == 3
+    assert sum(s.prefill_tokens for s in grouped.timeline) == length
+    assert sum(s.blocks_copied for s in grouped.timeline) == copies
+    separate, engine = run_engine(model, [prompt] * 3, configs, [0, 0, 0], block_size=4, num_blocks=40,
+                                  prefix_caching=False)
+    assert separate == alone and sum(s.prefill_tokens for s in engine.timeline) == 3 * length
+    assert_nothing_leaked(grouped)
+
+
+def test_an_aborted_leader_leaves_its_forks_to_compute_their_own_prompt(tiny):
+    _, model = tiny
+    (prompt,) = random_prompts(1, model.config.vocab_size, seed=9, shared=10, longest=2)
+    engine = Engine(model, block_size=4, num_blocks=40, max_num_batched_tokens=16)
+    leader, follower = engine.add_requests(prompt, [GREEDY, GREEDY])
+    engine.abort(leader)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(follower).token_ids == solo_runs(model, [prompt], [GREEDY])[0]
+    assert_nothing_leaked(engine)
+
+
 # ------------------------------------------------------------------ events and stopping
 
 

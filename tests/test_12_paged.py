@@ -30,13 +30,17 @@ def weak_hash(key) -> int:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Admissions (often sharing a prefix), forwards, appends, completions and preemptions in any order.
+    """Admissions (often sharing a prefix), forwards, appends, forks, rollbacks, completions and preemptions in any
+    order.
 
     `holds[slot]` is the brute-force record: the whole prefix (tokens 0..p) whose keys the
     test last wrote into that slot. Keys at position p depend on exactly that prefix, so a
     sequence may read a slot only if the record equals its own tokens[:p + 1]. A forward
     (`compute`) writes some of a sequence's pending keys, as a chunked prefill does, and
     only then tells the manager (`mark_computed`): a hit on keys not yet written must never happen.
+    A fork shares every block of a sequence whose keys are written; the copies copy-on-write
+    asks for are made in the record as the engine makes them in the pool, before the next
+    forward: a sequence that wrote into a block another still reads would break the record.
     """
 
     @initialize(num_blocks=st.integers(1, 10), block_size=st.integers(1, 4),
@@ -97,22 +101,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         pending = sorted(s for s, tokens in self.tokens.items() if self.computed[s] < len(tokens))
         if not pending:
             return
-        m, seq_id = self.manager, data.draw(st.sampled_from(pending))
-        tokens, start = self.tokens[seq_id], self.computed[seq_id]
-        end = data.draw(st.integers(start + 1, len(tokens)))
+        seq_id = data.draw(st.sampled_from(pending))
+        self.write_keys(seq_id, data.draw(st.integers(self.computed[seq_id] + 1, len(self.tokens[seq_id]))))
+
+    def write_keys(self, seq_id: int, end: int) -> None:
+        m, tokens, start = self.manager, self.tokens[seq_id], self.computed[seq_id]
         slots = slot_mapping(m.block_table(seq_id), range(len(tokens)), m.block_size).tolist()
         for p in range(start, end):
             self.holds[slots[p]] = tuple(tokens[: p + 1])
         m.mark_computed(seq_id, end)
         self.computed[seq_id] = end
 
+    def ready(self) -> list[int]:
+        return sorted(s for s, tokens in self.tokens.items() if self.computed[s] == len(tokens))
+
     @rule(data=st.data(), token=st.integers(0, 2))
     def append(self, data, token):  # a decoding sequence (all keys written) takes its next token
-        ready = sorted(s for s, tokens in self.tokens.items() if self.computed[s] == len(tokens))
-        if not ready:
-            return
-        m, seq_id = self.manager, data.draw(st.sampled_from(ready))
-        tokens = self.tokens[seq_id]
+        if self.ready():
+            self.grow(data.draw(st.sampled_from(self.ready())), token)
+
+    def grow(self, seq_id: int, token: int) -> bool:
+        m, tokens = self.manager, self.tokens[seq_id]
         before = self.snapshot()
         if blocks_for(len(tokens) + 1, m.block_size) > m.num_blocks:
             assert not m.can_append(seq_id)
@@ -125,8 +134,39 @@ class BlockManagerMachine(RuleBasedStateMachine):
             slot = m.append(seq_id, token)
             tokens.append(token)
             assert slot == slot_mapping(m.block_table(seq_id), [len(tokens) - 1], m.block_size).item()
+            for source, destination in m.take_copies():  # what the engine copies in the pool before the forward
+                for offset in range(m.block_size):
+                    if source * m.block_size + offset in self.holds:
+                        self.holds[destination * m.block_size + offset] = self.holds[source * m.block_size + offset]
+            return True
+        assert self.snapshot() == before and m.take_copies() == [], "a refused append changed the pool"
+        return False
+
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=2, unique=True))
+    def fork(self, data, tokens):  # n samples or beams from one computed sequence: every block shared, none taken
+        """Then (often) parent and child each take a different token and write its keys, as two samples do."""
+        if not self.ready():
             return
-        assert self.snapshot() == before, "a refused append changed the pool"
+        m, parent, child = self.manager, data.draw(st.sampled_from(self.ready())), self.next_id
+        free = m.num_free
+        assert m.fork(parent, child) == m.block_table(parent) and m.num_free == free
+        self.tokens[child], self.computed[child] = list(self.tokens[parent]), self.computed[parent]
+        self.next_id += 1
+        for seq_id, token in zip((child, parent), tokens):
+            if self.grow(seq_id, token):
+                self.write_keys(seq_id, len(self.tokens[seq_id]))
+
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), max_size=2))
+    def rollback(self, data, tokens):  # rejected drafts: keep a sequence's first n tokens, then decode others
+        if self.tokens:
+            seq_id = self.pick(data)
+            n = data.draw(st.integers(0, len(self.tokens[seq_id])))
+            self.manager.truncate(seq_id, n)
+            del self.tokens[seq_id][n:]
+            self.computed[seq_id] = min(self.computed[seq_id], n)
+            for token in tokens if self.computed[seq_id] == n else ():
+                if self.grow(seq_id, token):
+                    self.write_keys(seq_id, len(self.tokens[seq_id]))
 
     @rule(data=st.data())
     def finish(self, data):  # completion or abort: the blocks go back
@@ -192,6 +232,50 @@ test_block_manager_properties = BlockManagerMachine.TestCase
 
 
 # ------------------------------------------------------------------ block manager: prefix caching by example
+
+
+def test_a_fork_shares_every_block_and_copies_a_shared_block_only_when_written():
+    m = BlockManager(4, 4)
+    full, partial = m.allocate("parent", [1, 2, 3, 4, 5, 6])  # a full block and a partial one
+    m.mark_computed("parent", 6)
+    assert m.fork("parent", "child") == [full, partial] and m.num_free == 2
+    assert m.ref_counts[full] == m.ref_counts[partial] == 2
+    m.append("child", 7)  # into the shared partial block: the child gets its own copy first
+    (own,) = set(m.block_table("child")) - {full, partial}
+    assert m.block_table("child") == [full, own] and m.take_copies() == [(partial, own)] and m.take_copies() == []
+    m.append("parent", 8)  # the partial block is the parent's alone now: written in place
+    assert m.block_table("parent") == [full, partial] and m.take_copies() == []
+    assert (m.ref_counts[full], m.ref_counts[partial], m.ref_counts[own]) == (2, 1, 1)
+    m.allocate("other", [9])  # the last free block
+    m.fork("child", "grandchild")
+    assert not m.can_append("grandchild")  # a shared partial block and no free block to copy it into
+    with pytest.raises(RuntimeError, match="no free block to copy"):
+        m.append("grandchild", 1)
+    for seq in ("parent", "child", "grandchild", "other"):
+        m.free(seq)
+    assert m.num_free == 4 and m.ref_counts == [0] * 4
+
+
+def test_a_block_rolled_back_into_leaves_the_prefix_cache():
+    """Its slots past the cut will hold other keys: a later request with the old prefix must not hit it."""
+    m = BlockManager(4, 4)
+    (first, _) = m.allocate("a", [1, 2, 3, 4, 5])
+    m.mark_computed("a", 5)
+    assert m.is_cached(first)
+    m.truncate("a", 2)
+    assert not m.is_cached(first) and m.block_table("a") == [first] and m.num_free == 3
+    m.append("a", 9)
+    m.allocate("b", [1, 2, 3, 4, 5])
+    assert m.cached_tokens("b") == 0 and first not in m.block_table("b")
+
+
+def test_a_fork_of_whole_blocks_copies_nothing():
+    m = BlockManager(4, 4)
+    m.allocate("parent", [1, 2, 3, 4])
+    m.fork("parent", "child")
+    m.append("child", 5)
+    m.append("parent", 6)
+    assert m.take_copies() == [] and m.block_table("child")[0] == m.block_table("parent")[0]
 
 
 def test_shared_prefix_reuses_its_full_blocks():

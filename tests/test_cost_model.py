@@ -116,9 +116,9 @@ def test_op_count_of_a_packed_engine_step_is_what_the_dispatcher_sees():
     engine = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=64)
     step, seen = engine.runner.step, []
 
-    def counted(packed, tokens, logits_at):
+    def counted(packed, tokens, logits_at, copies):
         out = {}
-        ops = count_ops(lambda: out.setdefault("logits", step(packed, tokens, logits_at))).total()
+        ops = count_ops(lambda: out.setdefault("logits", step(packed, tokens, logits_at, copies))).total()
         decodes, chunks = len(packed.decode_queries), len(packed.chunks)
         predicted = packed_step(model.config, tokens.numel() - decodes, decodes, chunks, keys=0).ops
         seen.append((decodes, chunks, ops, predicted))

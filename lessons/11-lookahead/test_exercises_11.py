@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from minillm.cache.kv_cache import make_cache
+from minillm.cache.kinds import make_cache
 from minillm.decoding.sampling import SamplingConfig
 from minillm.model.tiny import tiny_pair
 from minillm.runtime.session import DecodeSession, Tree, new_token_mask

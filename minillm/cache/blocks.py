@@ -20,9 +20,18 @@ storage is reused (then its hash is evicted). Freed blocks are reused oldest fir
 blocks holding nothing reusable before any cached one, so popular prefixes live longest
 (an LRU cache for free).
 
-Two rules keep shared blocks read-only. Only full blocks are shared: a sequence appends
-into its own partial last block. And the last token of a new sequence is never a hit:
-its logits are needed, so it is computed again, into a block of its own.
+Two rules keep shared blocks read-only. Only full blocks are shared through the prefix
+cache: a sequence appends into its own partial last block. And the last token of a new
+sequence is never a hit: its logits are needed, so it is computed again, into a block of
+its own.
+
+Forks. Several sequences may also grow from one (a request's n samples, beam search's
+beams): `fork` gives the child the parent's whole block table, partial last block
+included, each block's reference count raised, so the prompt is computed and stored
+once. A block is copied only when a sequence is about to write into one it shares
+(copy-on-write, as vLLM does): `append` then takes a free block for it alone and
+records (source, destination), which the caller copies in the pool (`take_copies`)
+before the forward that writes there. A shared block that no one writes is never copied.
 
 A block joins the prefix cache only once its keys are written, or are being written by
 the forward about to run: the caller (the scheduler) says how far with `mark_computed`.
@@ -83,6 +92,7 @@ class BlockManager:
         self._block_key: list[tuple | None] = [None] * num_blocks  # (parent block, its use, tokens): confirms a hit
         self._uses = [0] * num_blocks  # how often each block was taken off the free list
         self._seqs: dict[object, _SequenceState] = {}
+        self._copies: list[tuple[int, int]] = []  # copy-on-write: (source, destination) blocks not copied yet
         self.prompt_tokens = 0  # tokens passed to `allocate`, summed
         self.prefix_hit_tokens = 0  # of those, tokens whose keys were reused from the prefix cache
 
@@ -136,9 +146,11 @@ class BlockManager:
         return fits_ever and self._plan(tokens, reuse).free_needed <= self.num_free
 
     def can_append(self, seq_id) -> bool:
-        """Whether `append` would succeed now (it needs a free block when the last one is full)."""
-        n = len(self._seq(seq_id).tokens)
-        return n % self.block_size != 0 or (self.num_free > 0 and blocks_for(n + 1, self.block_size) <= self.num_blocks)
+        """Whether `append` would succeed now (it needs a free block when the last one is full, or shared)."""
+        seq = self._seq(seq_id)
+        n = len(seq.tokens)
+        in_place = n % self.block_size != 0 and self.ref_counts[seq.table[-1]] == 1
+        return in_place or (self.num_free > 0 and blocks_for(n + 1, self.block_size) <= self.num_blocks)
 
     # ---------------------------------------------------------------- changes
 
@@ -181,6 +193,14 @@ class BlockManager:
                 raise RuntimeError(f"no free block for sequence {seq_id!r}'s token {n}: "
                                    f"free or preempt a sequence first (can_append asks beforehand)")
             seq.table.append(self._take_free_block())
+        elif self.ref_counts[seq.table[-1]] > 1:  # its partial last block is shared with a fork: copy it first
+            if not self._free:
+                raise RuntimeError(f"no free block to copy sequence {seq_id!r}'s shared last block into: "
+                                   f"free or preempt a sequence first (can_append asks beforehand)")
+            shared = seq.table[-1]
+            self.ref_counts[shared] -= 1
+            seq.table[-1] = self._take_free_block()
+            self._copies.append((shared, seq.table[-1]))
         seq.tokens.append(token)
         if (n + 1) % self.block_size == 0:
             block_tokens = tuple(seq.tokens[-self.block_size:])
@@ -198,11 +218,47 @@ class BlockManager:
             self._register(seq.table, i, seq.hashes[i], tuple(seq.tokens[i * bs : (i + 1) * bs]))
         seq.registered = max(seq.registered, n_tokens // bs)
 
+    def fork(self, parent_id, child_id) -> list[int]:
+        """A new sequence `child_id` holding everything `parent_id` holds: the same blocks, shared (see Forks in the
+        module docstring); returns its block table. Takes no block now."""
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already holds blocks: free it before forking into it")
+        parent = self._seq(parent_id)
+        for block in parent.table:
+            self.ref_counts[block] += 1
+        self._seqs[child_id] = _SequenceState(list(parent.tokens), list(parent.table), list(parent.hashes),
+                                              parent.cached_tokens, parent.registered)
+        return list(parent.table)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies copy-on-write asked for since the last call: copy each in the
+        pool before the forward that writes into the destination."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def truncate(self, seq_id, n_tokens: int) -> None:
+        """Keep a sequence's first n_tokens (rejected drafts, prompt padding): the blocks after them are released.
+        A full block that becomes the partial last one leaves the prefix cache, since it will be written again."""
+        seq = self._seq(seq_id)
+        if not 0 <= n_tokens <= len(seq.tokens):
+            raise ValueError(f"truncate({seq_id!r}, {n_tokens}): the sequence holds {len(seq.tokens)} tokens")
+        bs, kept = self.block_size, blocks_for(n_tokens, self.block_size)
+        self._release(seq.table[kept:])
+        del seq.table[kept:], seq.tokens[n_tokens:], seq.hashes[n_tokens // bs:]
+        seq.registered = min(seq.registered, n_tokens // bs)
+        last = seq.table[-1] if n_tokens % bs else None
+        if last is not None and self.is_cached(last) and self.ref_counts[last] == 1:
+            del self._cache[self._block_hash[last]]
+            self._block_hash[last] = self._block_key[last] = None
+
     def free(self, seq_id) -> None:
         """Release a finished, aborted or preempted sequence's blocks (shared ones stay with their other holders)."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
-        for block in reversed(seq.table):  # a sequence's tail is the least likely to be shared: reuse it first
+        self._release(seq.table)
+
+    def _release(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):  # a sequence's tail is the least likely to be shared: reuse it first
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None

@@ -34,6 +34,7 @@ class KVCache:
     def __init__(self, n_layer: int):
         self.n_layer = n_layer
         self.lengths: list[int] = []  # per row, set on the first write
+        self.copied_bytes = 0  # what `reorder` copied so far (lesson 10: beams over rows against shared blocks)
 
     @property
     def length(self) -> int:
@@ -161,6 +162,7 @@ class DynamicCache(KVCache):
             for i, t in enumerate(store):
                 if t is not None:
                     store[i] = t.index_select(0, index.to(t.device))
+                    self.copied_bytes += store[i].numel() * store[i].element_size()
         self.lengths = [self.lengths[i] for i in index.tolist()]
 
     def _move_columns(self, row, source, start):
@@ -243,6 +245,7 @@ class StaticCache(KVCache):
         for store in (self.k, self.v):
             rows = store[:, index, :, :n].clone()  # gather first: index may read rows we overwrite
             store[:, : len(index), :, :n] = rows
+            self.copied_bytes += rows.numel() * rows.element_size()
         self.batch = len(index)
         self.lengths = [self.lengths[i] for i in index.tolist()]
 
@@ -261,20 +264,4 @@ def write_rows(store: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tensor
     store[rows, :, columns] = new.transpose(1, 2)  # indexed view is [B, T, KV, hd]
 
 
-def make_cache(kind: str, model, batch: int, max_len: int, fixed_shape: bool = False) -> KVCache | None:
-    """'static', 'dynamic' or 'none' (None: the model recomputes everything each step).
-
-    fixed_shape: a static cache that always returns all `max_len` columns (see StaticCache).
-    """
-    if fixed_shape and kind != "static":
-        raise ValueError(f"fixed_shape needs cache='static' (a {kind!r} cache changes shape as it grows)")
-    if kind == "static":
-        return StaticCache.for_model(model, batch, max_len, fixed_shape)
-    if kind == "dynamic":
-        return DynamicCache(model.config.n_layer)
-    if kind == "none":
-        return None
-    raise ValueError(f"unknown cache kind {kind!r}: use 'static', 'dynamic' or 'none'")
-
-
-__all__ = ["KVCache", "DynamicCache", "StaticCache", "make_cache", "write_rows"]
+__all__ = ["KVCache", "DynamicCache", "StaticCache", "write_rows"]

@@ -171,6 +171,13 @@ class PagedKVCache:
         step writes into and reads through its block tables)."""
         return list(self.k), list(self.v)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's keys and values in every layer (`BlockManager`'s copy-on-write)."""
+        if copies:
+            source, destination = (torch.tensor(blocks, device=self.k.device) for blocks in zip(*copies))
+            for pool in (self.k, self.v):
+                pool[:, destination] = pool[:, source]
+
     def write(self, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store N tokens' keys and values at their slots. slots long [N]; k_new, v_new [N, n_kv_head, head_dim]."""
         k_pool, v_pool = self.slots_view(layer)

@@ -32,6 +32,12 @@ mid-run preempts (see `minillm.runtime.scheduler`) instead of failing.
 
 A request stops as `generate`'s rows do (EOS, stop strings, `max_new_tokens`), and also
 when it fills the model's context: the engine does not slide a window over it.
+
+Several requests over one prompt (`add_requests`: a server's n choices) compute it once:
+the first prefills it, and when it draws its first token the others fork its blocks
+(`BlockManager.fork`), each drawing its own first token from the same logits. They share
+every block until one writes into a shared partial block, which is then copied for it
+alone (copy-on-write; `StepRecord.blocks_copied` counts the copies).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class StepRecord:
     tokens_stored: int  # keys the running requests hold, each request counted alone
     tokens_reserved: int  # what reserving each running request's maximum length contiguously would set aside
     preempted: list[int]
+    blocks_copied: int = 0  # copy-on-write copies made before this step's forward
 
 
 def kv_bytes_per_token(model) -> int:
@@ -105,6 +112,7 @@ class Engine:
         self.forward_passes = 0
         self._next_id = 0
         self._pending: list[GenerationEvent] = []  # events owed before the next forward (requests with nothing to do)
+        self._forks: dict[int, list[Sequence]] = {}  # a prefilling request's id -> the requests that fork from it
 
     # ------------------------------------------------------------------ requests
 
@@ -121,15 +129,49 @@ class Engine:
         Checked here, before any model work: the prompt, the settings, and that the pool
         can hold the request at its longest (else it could never finish).
         """
+        (request_id,) = self.add_requests(prompt, [row_configs(config, 1, config_overrides)[0]],
+                                          arrival_time=arrival_time, top_logprobs=top_logprobs,
+                                          prompt_top_logprobs=prompt_top_logprobs)
+        return request_id
+
+    def add_requests(self, prompt, configs: list[SamplingConfig], *, arrival_time: float | None = None,
+                     top_logprobs: int | None = None, prompt_top_logprobs: int | None = None) -> list[int]:
+        """Queue one request per config over the same prompt (a server's n choices); returns their ids.
+
+        The prompt is computed once: the first request prefills it and the others fork its blocks when it
+        draws its first token (see the module docstring). Requests that score their prompt
+        (prompt_top_logprobs) each compute it. All are checked before any is queued.
+        """
         if hasattr(prompt, "__len__") and len(prompt) == 0:
             raise ValueError("the prompt is empty: give it at least one token")
         rows = encode_prompts(prompt, self.tokenizer)
         if len(rows) != 1:
             raise ValueError(f"add_request takes one prompt, got {len(rows)}: call it once per prompt")
         (prompt_ids,) = rows
+        check_prompts([prompt_ids], self.model.config.context_length, self.model.config.vocab_size)
+        requests = [self._checked_request(prompt_ids, config, arrival_time, top_logprobs, prompt_top_logprobs)
+                    for config in configs]
+        for request in requests:
+            request.id, self._next_id = self._next_id, self._next_id + 1
+            self.requests[request.id] = request
+        running = [r for r in requests if not r.finished]
+        for request in requests:
+            if request.finished:  # max_new_tokens == 0: nothing to compute, one event to report it (as `generate` does)
+                request.finish_time = request.arrival_time
+                self._pending.append(request.event([]))
+        if running and prompt_top_logprobs is None:
+            self.scheduler.add(running[0])
+            if running[1:]:
+                self._forks[running[0].id] = running[1:]
+        else:
+            for request in running:
+                self.scheduler.add(request)
+        return [r.id for r in requests]
+
+    def _checked_request(self, prompt_ids: list[int], config: SamplingConfig, arrival_time, top_logprobs,
+                         prompt_top_logprobs) -> Sequence:
+        """A new request's `Sequence` (its id still unset), after every check of its settings."""
         context = self.model.config.context_length
-        check_prompts([prompt_ids], context, self.model.config.vocab_size)
-        (config,) = row_configs(config, 1, config_overrides)
         if config.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass Engine(model, tokenizer)")
         vocab = self.model.config.vocab_size
@@ -146,18 +188,10 @@ class Engine:
                              f"{blocks_for(longest, self.manager.block_size)} blocks of {self.manager.block_size}, "
                              f"but the pool has {self.manager.num_blocks}: lower max_new_tokens or build a larger "
                              f"pool (num_blocks / kv_cache_mb)")
-        request_id, self._next_id = self._next_id, self._next_id + 1
-        request = Sequence.create(prompt_ids, config.with_(max_new_tokens=max_new), tokenizer=self.tokenizer,
-                                  vocab_size=vocab, device=self.model.device, id=request_id,
-                                  top_logprobs=top_logprobs, prompt_top_logprobs=prompt_top_logprobs,
-                                  **({} if arrival_time is None else {"arrival_time": arrival_time}))
-        self.requests[request_id] = request
-        if request.finished:  # max_new_tokens == 0: nothing to compute, one event to report it (as `generate` does)
-            request.finish_time = request.arrival_time
-            self._pending.append(request.event([]))
-        else:
-            self.scheduler.add(request)
-        return request_id
+        return Sequence.create(prompt_ids, config.with_(max_new_tokens=max_new), tokenizer=self.tokenizer,
+                               vocab_size=vocab, device=self.model.device,
+                               top_logprobs=top_logprobs, prompt_top_logprobs=prompt_top_logprobs,
+                               **({} if arrival_time is None else {"arrival_time": arrival_time}))
 
     def abort(self, request_id) -> None:
         """Stop a request now and free its blocks (finish reason "abort"); the others go on."""
@@ -165,6 +199,11 @@ class Engine:
         if request.finished:
             raise ValueError(f"request {request_id} already finished ({request.state.finish_reason}): "
                              f"there is nothing to abort")
+        for followers in self._forks.values():
+            if request in followers:  # waiting to fork: it simply will not
+                followers.remove(request)
+        for follower in reversed(self._forks.pop(request_id, [])):  # nothing to fork from: each computes its own
+            self.scheduler.waiting.appendleft(follower)
         self.scheduler.remove(request)
         request.finish("abort")
 
@@ -228,7 +267,8 @@ class Engine:
         logits_at = packed.last_tokens[ready]
         if score_at:
             logits_at = torch.cat([logits_at, torch.tensor(score_at, device=device)])
-        logits = self.runner.step(packed, tokens, logits_at)  # [len(ready) + len(score_at), V]
+        copies = self.manager.take_copies()  # copy-on-write, asked for while the scheduler reserved slots
+        logits = self.runner.step(packed, tokens, logits_at, copies)  # [len(ready) + len(score_at), V]
         self.forward_passes += 1
         for r, n in plan.work:
             r.computed += n
@@ -238,15 +278,33 @@ class Engine:
                 r.score_prompt(scores[: len(positions)])
                 scores = scores[len(positions):]
         ready_requests = [requests[i] for i in ready]
-        for request, token in zip(ready_requests, sample_next(ready_requests, logits[: len(ready)]) if ready else []):
+        drawn = sample_next(ready_requests, logits[: len(ready)]) if ready else []
+        forked = self._fork_followers(ready_requests, logits[: len(ready)])  # before a leader that ends frees blocks
+        for request, token in [*zip(ready_requests, drawn), *forked]:
             request.append(token)
             events.append(request.event([token]))
             if request.finished:
                 self.scheduler.remove(request)
-        self._record(start, plan, decode_tokens)
+        self._record(start, plan, decode_tokens, len(copies))
         return events
 
-    def _record(self, start: float, plan, decode_tokens: int) -> None:
+    def _fork_followers(self, ready: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
+        """The requests waiting on a leader whose prompt is now computed: each takes the leader's blocks
+        (shared) and draws its own first token from the leader's logits. Returns (request, token) pairs."""
+        forked = []
+        for row, leader in enumerate(ready):
+            followers = self._forks.pop(leader.id, None)
+            if not followers:
+                continue
+            for follower in followers:
+                self.manager.fork(leader.id, follower.id)
+                follower.computed = leader.computed
+                self.scheduler.adopt(follower)
+            tokens = sample_next(followers, logits[row].expand(len(followers), -1))
+            forked += zip(followers, tokens)
+        return forked
+
+    def _record(self, start: float, plan, decode_tokens: int, blocks_copied: int) -> None:
         running, m = self.scheduler.running, self.manager
         blocks_used = m.num_blocks - m.num_free
         # Only full blocks are shared, and they are full of keys: what is empty is each request's own.
@@ -257,7 +315,7 @@ class Engine:
             blocks_used=blocks_used, slots_filled=blocks_used * m.block_size - empty,
             tokens_stored=sum(r.computed for r in running),
             tokens_reserved=sum(len(r.prompt_ids) + r.max_new_tokens for r in running),
-            preempted=[r.id for r in plan.preempted]))
+            preempted=[r.id for r in plan.preempted], blocks_copied=blocks_copied))
 
     # ------------------------------------------------------------------ summaries
 

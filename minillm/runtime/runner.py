@@ -12,8 +12,9 @@
 `generate`, speculative decoding, prompt lookup, lookahead, beam search and the engine all
 call a runner, so how the model runs (its cache, and its graph mode) is decided here, once:
 
-    cache   "static" (preallocated, lesson 06), "dynamic" (grows), "none" (recompute: the
-            baseline the cache is measured against), or "paged" (a block pool, lesson 12)
+    cache   "static" (preallocated, lesson 06), "dynamic" (grows), "blocks" (rows in a block pool,
+            beams sharing blocks: lesson 10), "none" (recompute: the baseline the cache is
+            measured against), or "paged" (the engine's block pool, lesson 12)
     graph   "eager" (the model's own forward) or "compiled" (a decode graph, and with `verify_tokens`
             a verify graph for drafts, over a fixed-shape static cache, lesson 15: `minillm.speed.compile`;
             on a CPU kept on disk as an AOTInductor package by `minillm.speed.graph_store` and loaded,
@@ -59,7 +60,7 @@ from ..speed.step_shapes import PagedShape, StepShape, any_length_cache
 from .sequence import Sequence
 from .session import DecodeSession, Tree
 
-CACHES = ("static", "dynamic", "none", "paged")
+CACHES = ("static", "dynamic", "blocks", "none", "paged")
 # What the runner asks of its decode session that changes the cache: on rank 0 of a sharded model, each is sent
 # to the other ranks first (`minillm.parallel.follow`), whose sessions then hold the same positions of their heads.
 SESSION_CALLS = frozenset({"prefill", "extend", "rollback", "keep_positions", "select"})
@@ -238,11 +239,14 @@ class ModelRunner:
         if self.leads:
             announce(("runner", "keep_alive", (), {}))
 
-    def step(self, packed: PackedSequences, tokens: torch.Tensor, logits_at: torch.Tensor) -> torch.Tensor:
+    def step(self, packed: PackedSequences, tokens: torch.Tensor, logits_at: torch.Tensor,
+             copies: list[tuple[int, int]] = ()) -> torch.Tensor:
         """One packed forward over the paged pool: tokens long [N] of several sequences back to back
-        (`packed` says whose and where); logits [K, V] at the row entries `logits_at` [K]."""
+        (`packed` says whose and where); logits [K, V] at the row entries `logits_at` [K]. `copies`: the
+        (source, destination) blocks copy-on-write asks for, copied first."""
         if self.leads:
-            announce(("runner", "step", (packed, tokens, logits_at), {}))
+            announce(("runner", "step", (packed, tokens, logits_at), {"copies": copies}))
+        self.cache.copy_blocks(copies)
         if self.decode_step is not None and len(packed.decode_queries) == packed.num_tokens:
             # Every sequence feeds one token (row entry i is sequence i's): the compiled step, logits [D, 1, V].
             logits = self.decode_step(tokens[:, None], packed.positions[:, None], packed.slots,

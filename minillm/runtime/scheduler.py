@@ -62,6 +62,16 @@ class Scheduler:
     def add(self, request) -> None:
         self.waiting.append(request)
 
+    def adopt(self, request) -> None:
+        """A request that already holds blocks (a fork) joins the running ones; with no room for another
+        sequence it gives them back and waits first in line (to be recomputed, prefix hits and all)."""
+        if len(self.running) < self.max_num_seqs:
+            self.running.append(request)
+        else:
+            self.manager.free(request.id)
+            request.computed = 0
+            self.waiting.appendleft(request)
+
     def remove(self, request) -> None:
         """Take a request out of the queues (finished or aborted) and free its blocks."""
         if request in self.running:

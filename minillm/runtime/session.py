@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.kv_cache import KVCache, StaticCache, make_cache
+from ..cache.kinds import make_cache
+from ..cache.kv_cache import KVCache, StaticCache
 
 
 @dataclass

@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from itertools import groupby
 from dataclasses import dataclass
 
 from ..decoding.outputs import GenerationEvent
@@ -159,8 +160,8 @@ class AsyncEngine:
                             f"retry in a moment")
         ids = []
         try:
-            for prompt, config in zip(prompts, configs):
-                ids.append(self.engine.add_request(prompt, config, **request_options))
+            for prompt, group in groupby(zip(prompts, configs), key=lambda pair: pair[0]):  # n choices: one prompt
+                ids += self.engine.add_requests(prompt, [config for _, config in group], **request_options)
         except Exception:
             self._abort(ids)
             raise

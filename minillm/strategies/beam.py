@@ -32,7 +32,10 @@ The rules follow transformers' `generate(num_beams=..., do_sample=False)` exactl
 The cache follows the beams through the runner's `select`: the prompt is
 prefilled once per prompt and copied to its beams, and each step gathers every
 surviving beam's rows (a beam chosen twice is duplicated, an abandoned one dropped),
-as do finished prompts.
+as do finished prompts. A contiguous cache copies those rows, history and all;
+cache="blocks" keeps each beam in a paged pool, where the same reorder shares blocks and
+copies only a shared partial block a beam writes into (`minillm.cache.block_rows`).
+`stats.extra["cache_copied_bytes"]` says what the reorders copied.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     config: max_new_tokens and eos_token_id are used; sampling, penalties and stop strings are
         refused (`check_beam_options`). Keyword arguments override its fields.
     num_beams=1 is greedy decoding (as in transformers; its score is still reported).
-    cache: "static" (default), "dynamic" or "none"; all give the same result.
+    cache: "static" (default), "dynamic", "blocks" (beams sharing blocks) or "none"; all give the same result.
     """
     config = (config or SamplingConfig()).with_(**config_overrides)
     check_beam_options(config, num_beams, length_penalty, early_stopping, num_return_sequences)
@@ -200,7 +203,9 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
         stats.decode_tokens += len(next_tokens)
 
     stats.decode_seconds = time.perf_counter() - t_start - stats.prefill_seconds
-    stats.extra.update(num_beams=num_beams)  # decode_tokens counts beam rows forwarded after the first step
+    cache_state = runner.session.cache  # None without a cache
+    stats.extra.update(num_beams=num_beams,  # decode_tokens counts beam rows forwarded after the first step
+                       cache_copied_bytes=cache_state.copied_bytes if cache_state is not None else 0)
     return _output(searches, num_return_sequences, eos, config, tokenizer, stats)
 
 
