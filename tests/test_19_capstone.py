@@ -88,6 +88,26 @@ def test_prompt_lookup_gives_plain_greedy_tokens_and_rolls_back():
     assert looked.pool.num_free == 64
 
 
+def test_a_draft_shrinks_before_anyone_is_preempted():
+    """Two requests hold the whole pool, 4 blocks of 8 slots. The second, the most recently admitted, would feed
+    its token and a 3-token draft, 19 keys, 3 blocks: rather than preempt itself (no one else is newer), its draft
+    shrinks to what fits, and it decodes. The prompts are picked so that prompt lookup finds a draft for both."""
+    model = tiny("llama")
+    capstone = Model.from_minillm(model)
+    g = torch.Generator().manual_seed(21)
+    while True:  # prompts whose first greedy token already occurs in them, so the lookup has something to copy
+        prompts = [torch.randint(0, 12, (n,), generator=g).tolist() for n in (11, 15)]
+        if all(alone(model, [p], 1)[0][0] in p for p in prompts):
+            break
+    engine = Engine(capstone, num_blocks=4, block_size=8, lookup=3, max_batch=2)
+    first, second = (engine.add_request(p, Params(max_new_tokens=n)) for p, n in zip(prompts, (12, 9)))
+    engine.step()  # both prefill (2 blocks each) and draw their first token
+    assert all(propose(r.tokens, 3) for r in (first, second)) and engine.pool.num_free == 0
+    plan = {r.id: feed for r, feed in engine.schedule()}
+    assert engine.running == [first, second] and not engine.waiting  # nobody preempted
+    assert len(plan[second.id]) == 1 and len(plan[first.id]) > 1  # its draft gone; the first keeps its own
+
+
 def test_propose_copies_what_followed_the_latest_longest_match():
     assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # the latest "1 2 3"
     assert propose([4, 2, 3, 8, 1, 5, 3], 2) == [8, 1]  # no "5 3" earlier: the 1-gram "3"

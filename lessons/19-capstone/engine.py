@@ -271,7 +271,8 @@ class Engine:
     """Continuous batching over the paged cache. Every `step()` is one forward:
 
         schedule   running requests first, each given the blocks its next tokens need (when the pool
-                   is dry the most recently admitted is preempted: its blocks freed, recomputed later);
+                   is dry a draft shrinks first, a guess being cheaper to drop than a request's place;
+                   then the most recently admitted is preempted: its blocks freed, recomputed later);
                    then waiting requests join while the batch and the free blocks allow
         pack       every request's new tokens back to back, with positions and pool slots
         forward    one packed forward; logits at each request's last token (all k + 1 when verifying)
@@ -334,6 +335,10 @@ class Engine:
                 draft = propose(request.tokens, min(self.lookup, room)) if room > 0 else []
             feed = request.tokens[request.computed:] + draft
             while not self.reserve(request, len(feed)):
+                if draft:  # drop the draft's last token before anyone loses their place
+                    draft.pop()
+                    feed.pop()
+                    continue
                 victim = self.running.pop()  # the most recently admitted: it loses the least work
                 self.release(victim)
                 victim.computed = 0  # recomputed from its tokens when admitted again; its random stream is untouched
