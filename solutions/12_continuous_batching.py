@@ -120,3 +120,19 @@ def serving_metrics(arrivals: list[float], token_times: list[list[float]]) -> di
            for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e))}
     out["tokens_per_second"] = sum(map(len, token_times)) / span
     return out
+
+
+def admit(waiting: list[int], running: int, free_blocks: int, num_blocks: int, block_size: int, budget: int,
+          max_num_seqs: int, watermark: float) -> list[int]:
+    kept_free = int(watermark * num_blocks)
+    fed = []
+    for length in waiting:
+        if budget <= 0 or running >= max_num_seqs:
+            break
+        needed = math.ceil(length / block_size)
+        if needed > free_blocks - (kept_free if running else 0):
+            break  # first come, first served: nobody overtakes the head of the queue
+        free_blocks, running = free_blocks - needed, running + 1
+        fed.append(min(length, budget))
+        budget -= fed[-1]
+    return fed

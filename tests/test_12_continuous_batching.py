@@ -281,7 +281,23 @@ def test_impossible_engine_settings_are_refused(tiny):
         Engine(model, max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max_num_seqs=0 is invalid"):
         Engine(model, max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"watermark=1.5 is invalid: a share of the pool in \[0, 1\)"):
+        Engine(model, watermark=1.5)
 
+
+def test_a_watermark_keeps_blocks_free_at_admission_and_every_request_its_tokens(tiny):
+    """Two 12-token prompts in a pool of 8 blocks of 4: without a watermark both are admitted at once (3 + 3
+    blocks). Keeping half the pool free while anything runs, the second waits: admitting it would leave 2 of the 4
+    blocks the watermark keeps. Both get the tokens they get alone."""
+    _, model = tiny
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, model.config.vocab_size, (12,), generator=g).tolist() for _ in range(2)]
+    config = SamplingConfig(max_new_tokens=4, eos_token_id=())
+    for watermark, together in ((0.0, True), (0.5, False)):
+        tokens, engine = run_engine(model, prompts, [config, config], [0, 0], block_size=4, num_blocks=8,
+                                    watermark=watermark, prefix_caching=False)
+        assert tokens == solo_runs(model, prompts, [config, config])
+        assert (sorted(engine.timeline[0].requests) == [0, 1]) is together
 
 # ------------------------------------------------------------------ the real model
 

@@ -95,3 +95,23 @@ def serving_metrics(arrivals: list[float], token_times: list[list[float]]) -> di
     values sits at index (n - 1) * q / 100.
     """
     raise NotImplementedError
+
+
+def admit(waiting: list[int], running: int, free_blocks: int, num_blocks: int, block_size: int, budget: int,
+          max_num_seqs: int, watermark: float) -> list[int]:
+    """Exercise 5: The admission rule
+
+    The second half of a scheduler step (`minillm.runtime.scheduler`): the running requests have taken their
+    tokens; now waiting requests join. waiting: each waiting request's prompt length, first in line first (no
+    prefix cache: a prompt of n tokens needs ceil(n / block_size) new blocks); running: how many requests run;
+    free_blocks: free blocks left in a pool of num_blocks; budget: tokens this step's forward may still take.
+    Admit requests in order while budget > 0, fewer than max_num_seqs run, and the request's blocks fit the free
+    ones leaving int(watermark * num_blocks) free while any request runs (a request alone may take the whole
+    pool). The first request that does not fit stops admission: nobody overtakes it. Each admitted request feeds
+    min(its length, budget) tokens of its prompt (a long prompt is chunked: the rest comes in later steps) and takes
+    all its blocks now. Return the tokens each admitted request feeds, in order.
+
+    Example: waiting [10, 30, 4], running 1, 10 free of 20 blocks of 4, budget 32, max_num_seqs 8, watermark 0.1:
+    the first takes 3 blocks (7 free >= 2 kept) and feeds 10; the second needs 8 (7 free): admission stops -> [10].
+    """
+    raise NotImplementedError

@@ -163,3 +163,44 @@ def test_exercise_4_metrics_equal_the_benchmarks(answers):
     ttft = [t[0] - a for a, t in zip(arrivals, token_times)]
     assert mine["ttft"] == pytest.approx(tuple(np.percentile(ttft, [50, 99])))
     assert mine["tokens_per_second"] == pytest.approx(reference["tokens_per_second"])
+
+
+class Waiting:
+    """A request as the package's scheduler reads one: an id, its tokens, how many are computed."""
+
+    def __init__(self, request_id: int, length: int):
+        self.id, self.tokens, self.computed, self.wants_prompt_logits = request_id, [0] * length, 0, False
+
+
+def test_exercise_5_admission_admits_what_the_package_scheduler_admits(answers):
+    """Random pools, queues and budgets, on your rule and on `Scheduler.schedule` (prefix cache off) over a pool
+    whose running requests hold blocks and feed nothing this step: the same requests admitted, the same tokens fed.
+    Rules that overtake, ignore the watermark, forget the chunking or the sequence limit disagree somewhere here."""
+    from minillm.runtime.scheduler import Scheduler
+
+    rng = random.Random(5)
+    outcomes = set()
+    for trial in range(300):
+        block_size, num_blocks = rng.choice([2, 4, 8]), rng.randint(4, 40)
+        max_num_seqs, watermark = rng.randint(1, 6), rng.choice([0.0, 0.05, 0.1, 0.25])
+        budget = rng.randint(max_num_seqs, 48)
+        manager = BlockManager(num_blocks, block_size, prefix_caching=False)
+        scheduler = Scheduler(manager, max_num_seqs, budget, watermark)
+        for i in range(rng.randint(0, max_num_seqs)):  # running requests, all computed: they feed nothing
+            length = rng.randint(1, 3 * block_size)
+            if not manager.can_allocate(length):
+                break
+            running = Waiting(1000 + i, length)
+            manager.allocate(running.id, running.tokens)
+            running.computed = length
+            scheduler.running.append(running)
+        free, queue = manager.num_free, [rng.randint(1, num_blocks * block_size) for _ in range(rng.randint(0, 5))]
+        for i, length in enumerate(queue):
+            scheduler.add(Waiting(i, length))
+        step = scheduler.schedule()
+        expected = [n for request, n in step.work if request in step.admitted]
+        mine = answers.admit(queue, len(scheduler.running) - len(step.admitted), free, num_blocks, block_size,
+                             budget, max_num_seqs, watermark)
+        assert list(mine) == expected, (queue, free, num_blocks, block_size, budget, max_num_seqs, watermark)
+        outcomes.add((len(expected), len(expected) < len(queue)))
+    assert len(outcomes) > 6  # empty, partial and whole admissions all happened

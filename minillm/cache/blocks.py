@@ -137,13 +137,13 @@ class BlockManager:
             raise ValueError(f"a sequence of {n_tokens} tokens needs {needed} blocks of {self.block_size}, but the "
                              f"pool has {self.num_blocks} ({self.capacity} tokens): shorten it or build a larger pool")
 
-    def can_allocate(self, tokens, reuse: bool = True) -> bool:
-        """Whether `allocate` would succeed now. tokens: a count (assumes no prefix hit: conservative)
-        or the token list itself (prefix hits counted exactly)."""
+    def can_allocate(self, tokens, reuse: bool = True, keep_free: int = 0) -> bool:
+        """Whether `allocate` would succeed now and leave `keep_free` blocks free. tokens: a count (assumes no
+        prefix hit: conservative) or the token list itself (prefix hits counted exactly)."""
         if isinstance(tokens, int):
-            return blocks_for(tokens, self.block_size) <= self.num_free
+            return blocks_for(tokens, self.block_size) + keep_free <= self.num_free
         fits_ever = blocks_for(len(tokens), self.block_size) <= self.num_blocks
-        return fits_ever and self._plan(tokens, reuse).free_needed <= self.num_free
+        return fits_ever and self._plan(tokens, reuse).free_needed + keep_free <= self.num_free
 
     def can_append(self, seq_id) -> bool:
         """Whether `append` would succeed now (it needs a free block when the last one is full, or shared)."""

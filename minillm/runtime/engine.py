@@ -92,7 +92,8 @@ class Engine:
     block_size: token slots per block. num_blocks: the pool's size; None sizes it to
     `kv_cache_mb` megabytes. max_num_seqs: the most requests decoding together.
     max_num_batched_tokens: the token budget of one forward (prefill chunks fill what the
-    decoders leave). hash_fn: the prefix cache's block hash; prefix_caching=False turns it off.
+    decoders leave). hash_fn: the prefix cache's block hash; prefix_caching=False turns it off. watermark:
+    the share of the pool admission keeps free while requests run (`minillm.runtime.scheduler`).
     graph: how the steps in which every request decodes run (`ModelRunner`'s graph modes):
     "auto" (the default) the compiled step when its package is already on disk, "compiled"
     (built first if it is not: two to three minutes on two cores, once per machine), or "eager".
@@ -100,12 +101,12 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_mb: float = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 hash_fn=hash, prefix_caching: bool = True, graph: str = "auto"):
+                 hash_fn=hash, prefix_caching: bool = True, graph: str = "auto", watermark: float = 0.0):
         if num_blocks is None:
             num_blocks = int(kv_cache_mb * 2**20 // (kv_bytes_per_token(model) * block_size))
         self.model, self.tokenizer = model, tokenizer
         self.manager = BlockManager(num_blocks, block_size, hash_fn, prefix_caching)
-        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, watermark)
         self.runner = ModelRunner(model, cache="paged", graph=graph, num_blocks=num_blocks, block_size=block_size)
         self.requests: dict[int, Sequence] = {}
         self.timeline: list[StepRecord] = []

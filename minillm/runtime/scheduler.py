@@ -14,7 +14,9 @@ step, one forward at a time:
 2. **Admit waiting requests**, first come first served, while the token budget, the
    number of sequences and the free blocks allow. A request that does not fit waits, and
    so does everyone behind it (no overtaking, so nothing starves). Nothing is admitted in
-   a step that had to preempt.
+   a step that had to preempt. With a `watermark` (a share of the pool, vLLM keeps 1%),
+   admission also leaves that many blocks free while anything runs, so the running
+   requests' next tokens do not preempt the request just admitted.
 
 The scheduler only does bookkeeping: which request feeds how many tokens, which blocks
 it holds (`minillm.cache.paged.BlockManager`). It reads four things of a request: `id`,
@@ -48,14 +50,19 @@ class ScheduledStep:
 class Scheduler:
     """Waiting queue, running list, token budget and preemption over a `BlockManager`."""
 
-    def __init__(self, manager: BlockManager, max_num_seqs: int = 16, max_num_batched_tokens: int = 512):
+    def __init__(self, manager: BlockManager, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 watermark: float = 0.0):
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs={max_num_seqs!r} is invalid: must be an integer >= 1")
         if not (isinstance(max_num_batched_tokens, int) and max_num_batched_tokens >= max_num_seqs):
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r} is invalid: must be an integer >= "
                              f"max_num_seqs={max_num_seqs}, so that every running request can decode in each step")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark!r} is invalid: a share of the pool in [0, 1) kept free at "
+                             f"admission (vLLM keeps 0.01)")
         self.manager = manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.watermark_blocks = int(watermark * manager.num_blocks)
         self.waiting: deque = deque()  # first in line at the left
         self.running: list = []  # admission order: the last one is preempted first
 
@@ -99,7 +106,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not step.preempted:
             request = self.waiting[0]
             reuse = not request.wants_prompt_logits
-            if not self.manager.can_allocate(request.tokens, reuse):
+            reserve = self.watermark_blocks if self.running else 0  # alone, a request may use the whole pool
+            if not self.manager.can_allocate(request.tokens, reuse, keep_free=reserve):
                 break
             self.waiting.popleft()
             self.manager.allocate(request.id, request.tokens, reuse)
