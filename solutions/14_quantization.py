@@ -119,3 +119,23 @@ def int4_error_bounds(weight: torch.Tensor, group_size: int, x: torch.Tensor) ->
     # weight widens its group's step for all the others, which is why smaller groups lose less (at the price of
     # more scales: a float32 scale and zero per group are 2 extra bits per weight at 32, 0.5 at 128), and why
     # int8's 255 steps are 17x finer than int4's 15.
+
+
+# ------------------------------------------------------------------ Exercise 6
+
+
+def decode_q4_k_block(block: bytes) -> np.ndarray:
+    """Exercise 6: A Q4_K super-block by hand"""
+    b = np.frombuffer(block, dtype=np.uint8)
+    d, dmin = b[0:4].view(np.float16).astype(np.float32)
+    packed = b[4:16]
+    scales = np.concatenate([packed[0:4] & 63, (packed[8:12] & 0x0F) | ((packed[0:4] >> 6) << 4)])
+    mins = np.concatenate([packed[4:8] & 63, (packed[8:12] >> 4) | ((packed[4:8] >> 6) << 4)])
+    chunks = b[16:144].reshape(4, 32)
+    codes = np.stack([chunks & 0x0F, chunks >> 4], axis=1).reshape(8, 32)  # sub-blocks 2c, 2c + 1 from chunk c
+    weights = (d * scales.astype(np.float32))[:, None] * codes - (dmin * mins.astype(np.float32))[:, None]
+    return weights.reshape(256).astype(np.float32)
+    # 144 bytes for 256 weights: 4.5 bits per weight. A float16 scale and min per 32-weight sub-block would cost
+    # 1 bit per weight on their own; 6-bit scales and mins under one float16 step for the whole super-block cost
+    # 12 bits per 32 weights (0.375 bits per weight) plus 32 bits per 256, and lose little: the sub-blocks of one
+    # super-block have scales of the same size, so 64 levels of one step resolve them well.

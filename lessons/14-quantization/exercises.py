@@ -106,3 +106,26 @@ def int4_error_bounds(weight: torch.Tensor, group_size: int, x: torch.Tensor) ->
     on weights placed half a step between two levels.
     """
     raise NotImplementedError
+
+
+def decode_q4_k_block(block: bytes) -> np.ndarray:
+    """Exercise 6: A Q4_K super-block by hand
+
+    The files llama.cpp users download are K-quants: a Q4_K_M (Gemma 3 270M ships as one) stores most matrices
+    as Q4_K, super-blocks of 256 weights in 144 bytes, as llama.cpp's `dequantize_row_q4_K` reads them:
+
+        bytes 0-1      d      (float16)  the step of the sub-block scales
+        bytes 2-3      dmin   (float16)  the step of the sub-block minimums
+        bytes 4-15     eight 6-bit scales and eight 6-bit mins, packed: sub-block j < 4 keeps its scale in the low
+                       6 bits of byte 4 + j and its min in the low 6 bits of byte 8 + j; sub-block j >= 4 takes the
+                       low 4 bits of its scale from the low nibble of byte 12 + (j - 4), the low 4 bits of its min
+                       from that byte's high nibble, and the top 2 bits of each from the top 2 bits of bytes
+                       4 + (j - 4) (scale) and 8 + (j - 4) (min)
+        bytes 16-143   the 4-bit codes in four chunks of 32 bytes: chunk c holds sub-block 2c in its low nibbles and
+                       sub-block 2c + 1 in its high nibbles (weight i of a sub-block in byte i of its chunk)
+        sub-block j (32 weights):  w = d·scale_j·q − dmin·min_j,   q in 0..15
+
+    Return the 256 weights as float32 [256]. Then answer for yourself: how many bits per weight is that, and why
+    do the scales themselves get quantized (to 6 bits, under one float16 step) rather than stored as float16?
+    """
+    raise NotImplementedError

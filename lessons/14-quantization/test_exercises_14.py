@@ -185,3 +185,28 @@ def test_exercise_5_int4_error_bounds_hold_and_are_tight(answers, group_size):
     bound = bound.diagonal()
     assert (reached <= bound + K * slack).all()
     assert (reached >= 0.9 * bound).all(), "the worst weights and input should nearly reach your output bound"
+
+
+def q4_k_blocks(count: int = 64, seed: int = 6) -> np.ndarray:
+    """Random Q4_K super-blocks: finite float16 d and dmin (some negative, some subnormal), every other byte random
+    (so every 6-bit scale and min, and every code, occurs)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (count, 144), dtype=np.uint8)
+    steps = rng.uniform(-0.05, 0.05, (count, 2)).astype(np.float16)
+    steps[0] = [np.float16(6e-8), np.float16(-6e-8)]  # float16 subnormals
+    blocks[:, 0:4] = steps.view(np.uint8)
+    return blocks
+
+
+def test_exercise_6_a_q4_k_super_block_decodes_as_gguf_does(answers):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    blocks = q4_k_blocks()
+    expected = dequantize(blocks, GGMLQuantizationType.Q4_K)  # [n, 256] float32
+    for block, reference in zip(blocks, expected):
+        decoded = np.asarray(answers.decode_q4_k_block(block.tobytes()))
+        assert decoded.shape == (256,), f"return the 256 weights of the super-block, not {decoded.shape}"
+        wrong = np.flatnonzero(~np.isclose(decoded.astype(np.float32), reference, rtol=1e-6, atol=0))
+        assert not len(wrong), (f"weight {wrong[0]} (sub-block {wrong[0] // 32}): expected {reference[wrong[0]]}, "
+                                f"got {decoded[wrong[0]]}")
