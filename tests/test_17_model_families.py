@@ -532,3 +532,46 @@ def test_mxfp4_refuses_a_model_without_experts_or_with_partial_blocks_in_one_lin
         with pytest.raises(ValueError, match=expected):
             apply_quantization(model, "mxfp4", "unused")
         assert all(not hasattr(block.mlp, "packed") or block.mlp.packed is None for block in model.blocks)
+
+
+def test_a_released_gpt_oss_checkpoint_with_mxfp4_experts_loads_and_keeps_its_codes(tmp_path):
+    """A folder laid out as openai's releases are: each expert matrix as MXFP4 `_blocks` and `_scales`, output-major,
+    gate and up rows interleaved (here encoded from the tiny model's experts with lesson 14's encoder). Loaded, its
+    experts equal transformers' own MXFP4 decoder (`convert_moe_packed_tensors`) and the model equals the float one
+    holding the same values; `--quant mxfp4` then keeps exactly the file's codes."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from minillm.model.checkpoint import read_checkpoint
+    from minillm.speed.mx import mx_encode, pack_fp4, quantize_dequantize
+    from minillm.speed.quant_gguf import apply_quantization
+
+    hf_model, _ = tiny_pair("gpt_oss")
+    state = {name: tensor.detach().clone() for name, tensor in hf_model.state_dict().items()}
+    packed = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = state.pop(name).transpose(1, 2).contiguous()  # [E, rows, K]: output-major, as the releases store it
+        codes, scales = mx_encode(rows, "mxfp4")
+        blocks = pack_fp4(codes).reshape(*rows.shape[:2], -1, 16)
+        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+        packed[name] = (blocks, scales, quantize_dequantize(rows, "mxfp4"))
+    hf_model.config.save_pretrained(tmp_path)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = read_checkpoint(tmp_path).eval()
+    layer = model.blocks[0].mlp
+    blocks, scales, values = packed["model.layers.0.mlp.experts.down_proj"]
+    assert torch.equal(layer.down, values)
+    assert torch.equal(layer.down, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2))
+    blocks, scales, values = packed["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(layer.gate_up, torch.cat((values[:, 0::2], values[:, 1::2]), dim=1))  # gates, then ups
+    _, float_model = tiny_pair("gpt_oss")
+    with torch.no_grad():
+        for block, twin in zip(model.blocks, float_model.blocks):
+            twin.mlp.gate_up.copy_(block.mlp.gate_up)
+            twin.mlp.down.copy_(block.mlp.down)
+        tokens = random_tokens(1, 12)
+        torch.testing.assert_close(model(tokens, torch.arange(12)[None]), float_model(tokens, torch.arange(12)[None]))
+    apply_quantization(model, "mxfp4", "unused")
+    codes = model.blocks[0].mlp.packed.down_codes  # [E, rows, K/2]: two codes a byte, as the file's blocks
+    assert torch.equal(codes.reshape(blocks.shape[0], -1), packed["model.layers.0.mlp.experts.down_proj"][0].reshape(
+        blocks.shape[0], -1))

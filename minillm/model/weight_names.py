@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from .config import ModelConfig
+from .mxfp4 import mxfp4_to_float
 
 
 class StateBuilder:
@@ -160,15 +161,22 @@ def experts_state(b: StateBuilder, config: ModelConfig, p: str, q: str) -> None:
 
 
 def gpt_oss_experts_state(b: StateBuilder, config: ModelConfig, p: str, q: str) -> None:
-    """gpt-oss's router and experts: biased, stored input-major (`gate_up_proj` [E, d, 2ff], `down_proj` [E, ff, d])
-    with each gate column followed by its up column; turned into `experts_state`'s layout, gates then ups."""
+    """gpt-oss's router and experts: biased, with each gate column followed by its up column; turned into
+    `experts_state`'s layout, gates then ups. transformers' float layout is input-major (`gate_up_proj` [E, d, 2ff],
+    `down_proj` [E, ff, d]); a released checkpoint's MXFP4 blocks are output-major (`minillm.model.mxfp4`)."""
     def gates_then_ups(t: torch.Tensor) -> torch.Tensor:  # [E, 2ff, ...]: rows 0, 2, 4, ... then 1, 3, 5, ...
         return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
 
+    def output_major(name: str) -> tuple[torch.Tensor, str]:  # [E, rows, K], as nn.Linear holds a matrix; its origin
+        if p + name + "_blocks" in b.w:
+            return mxfp4_to_float(b.w[p + name + "_blocks"], b.w[p + name + "_scales"]), p + name + "_{blocks,scales}"
+        return b.w[p + name].transpose(1, 2), p + name
+
     b.put_linear(q + "router", [p + "router"], bias=True)
-    b.put(q + "gate_up", p + "experts.gate_up_proj", change=lambda t: gates_then_ups(t.transpose(1, 2)))
+    gate_up, b.origin[q + "gate_up"] = output_major("experts.gate_up_proj")
+    b.state[q + "gate_up"] = gates_then_ups(gate_up)
+    b.state[q + "down"], b.origin[q + "down"] = output_major("experts.down_proj")
     b.put(q + "gate_up_bias", p + "experts.gate_up_proj_bias", change=gates_then_ups)
-    b.put(q + "down", p + "experts.down_proj", change=lambda t: t.transpose(1, 2))
     b.put(q + "down_bias", p + "experts.down_proj_bias")
 
 
