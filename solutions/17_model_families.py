@@ -103,3 +103,18 @@ def config_from_transformers(hf: dict) -> ModelConfig:
     # uses 1 000 000, not 10 000) loads fine and only the logits show it, worse at long distances. That is why
     # the check compares logits, not only fields. head_dim may be absent (d_model / n_head) or wider (Gemma,
     # Qwen3); n_kv_head may be absent (plain multi-head attention).
+
+
+def cache_bytes_per_token(hf: dict, bytes_per_number: int) -> tuple[int, int]:
+    """Exercise 5: What latent attention saves"""
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    latent = layers * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * bytes_per_number
+    per_head = layers * heads * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"] + hf["v_head_dim"]) * bytes_per_number
+    return latent, per_head
+    # DeepSeek-V3 in bfloat16: 61 · 576 · 2 = 70,272 bytes (69 KiB) a token with the latent, against
+    # 61 · 128 · 320 · 2 = 4,997,120 bytes (4.8 MiB) a token with keys and values per head: 71 times less, so 80 GB
+    # of cache holds about 1.1 million tokens of context instead of about 16,000. Grouped-query attention with 8 KV
+    # heads of 128 dims (Llama 3 70B's choice) would cache 8 · 256 = 2,048 numbers per layer, still 3.6 times the
+    # latent's 576. What latent attention pays instead: absorbing W_uk into each query makes attention a
+    # multi-query attention over 576-wide keys, more arithmetic per key than 128-wide heads, which decoding (bound
+    # by bytes) can afford.

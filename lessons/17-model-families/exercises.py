@@ -115,3 +115,22 @@ def config_from_transformers(hf: dict):
     the logits with transformers' (plain and grouped heads, tied and untied heads, several RoPE bases).
     """
     raise NotImplementedError
+
+
+def cache_bytes_per_token(hf: dict, bytes_per_number: int) -> tuple[int, int]:
+    """Exercise 5: What latent attention saves
+
+    `hf` is a DeepSeek-V3-style config.json as a dict: num_hidden_layers, num_attention_heads, kv_lora_rank,
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim. Return (latent, per_head): the bytes one token occupies in the
+    KV cache over all layers, at `bytes_per_number` bytes a number,
+
+      latent    with multi-head latent attention as `minillm.model.latent_attention` caches it: per layer, the
+                latent (kv_lora_rank) and the one RoPE key all heads share (qk_rope_head_dim), and no values;
+      per_head  if the same heads each cached their own key (qk_nope_head_dim + qk_rope_head_dim) and value
+                (v_head_dim), as plain multi-head attention does.
+
+    Predict first, for DeepSeek-V3 itself (61 layers, 128 heads, kv_lora_rank 512, 128 + 64 key dims, 128 value
+    dims) in bfloat16: how many kilobytes per token each way, and how many tokens of context fit in 80 GB of
+    cache? The check allocates the tiny model's caches and compares.
+    """
+    raise NotImplementedError

@@ -261,3 +261,25 @@ def test_exercise_4_old_style_configs_and_refusals(answers):
     llama = llama_or_qwen2("llama", seed=0, num_key_value_heads=2).config.to_dict()
     with pytest.raises(ValueError):
         answers.config_from_transformers(llama | {"attention_bias": True})
+
+
+def test_exercise_5_latent_cache_bytes_equal_what_the_caches_allocate(answers):
+    """The tiny DeepSeek-V3's static cache, allocated for one row of 8 tokens: its bytes per token are the latent
+    answer. The per-head answer against a cache sized for keys and values per head (a static cache with the latent
+    model's head count and widths), and DeepSeek-V3's published sizes against the package's own count."""
+    from minillm.cache.kv_cache import StaticCache
+    from minillm.model.checkpoint import config_from_hf
+
+    hf_model, model = tiny_pair("deepseek_v3")
+    hf, c = hf_model.config.to_dict(), model.config
+    for width in (4, 2):
+        cache = StaticCache.for_model(model.to(torch.float32 if width == 4 else torch.bfloat16), 1, 8)
+        latent, per_head = answers.cache_bytes_per_token(hf, width)
+        assert latent == (cache.k.numel() + cache.v.numel()) * cache.k.element_size() // 8
+        plain = StaticCache(c.n_layer, 1, c.n_head, c.qk_nope_dim + c.head_size, 8, value_dim=c.v_head_dim)
+        assert per_head == (plain.k.numel() + plain.v.numel()) * width // 8
+    v3 = dict(hf, num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512, qk_nope_head_dim=128,
+              qk_rope_head_dim=64, v_head_dim=128, num_key_value_heads=128, q_lora_rank=1536)
+    latent, per_head = answers.cache_bytes_per_token(v3, 2)
+    assert latent == config_from_hf(v3).cache_values_per_token * 2 == 61 * 576 * 2
+    assert per_head // latent == 71  # 40,960 numbers per layer against 576
