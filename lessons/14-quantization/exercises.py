@@ -129,3 +129,23 @@ def decode_q4_k_block(block: bytes) -> np.ndarray:
     do the scales themselves get quantized (to 6 bits, under one float16 step) rather than stored as float16?
     """
     raise NotImplementedError
+
+
+def smoothquant_scales(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Exercise 7: Move the outliers into the weights
+
+    A language model's activations have a few input channels far larger than the rest (the notebook draws
+    max|x| per channel), so one int8 scale per activation row or per tensor spends its 255 levels on them and
+    rounds every other channel coarsely. Weights have no such channels. SmoothQuant (Xiao et al., 2023) divides
+    each input channel j of x by s_j and multiplies column j of W by it: (x / s) · (W · s)ᵀ = x · Wᵀ exactly,
+    and picks
+
+        s_j = max|x_j|^alpha / max_n |W[n, j]|^(1 − alpha)
+
+    so that alpha = 0.5 gives channel j the same largest magnitude in x / s as in W · s. act_absmax [K]: max|x_j|
+    over calibration text; weight [N, K]. Return s [K] (float32; a channel that is zero in x or W gets s = 1).
+    Predict first: with one channel 50 times the others, how much finer does static int8 quantize the other
+    channels after smoothing with alpha = 0.5? The check migrates the scales and runs the package's static int8
+    linear on both.
+    """
+    raise NotImplementedError

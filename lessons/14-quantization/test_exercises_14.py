@@ -210,3 +210,35 @@ def test_exercise_6_a_q4_k_super_block_decodes_as_gguf_does(answers):
         wrong = np.flatnonzero(~np.isclose(decoded.astype(np.float32), reference, rtol=1e-6, atol=0))
         assert not len(wrong), (f"weight {wrong[0]} (sub-block {wrong[0] // 32}): expected {reference[wrong[0]]}, "
                                 f"got {decoded[wrong[0]]}")
+
+
+def test_exercise_7_smoothing_is_exact_in_float_and_helps_static_int8(answers):
+    from minillm.speed.quant import StaticInt8Linear
+
+    gen = torch.Generator().manual_seed(7)
+    k, n, t = 64, 48, 256
+    x = torch.randn(t, k, generator=gen)
+    x[:, [3, 40]] *= 50  # two outlier channels, as in a language model's activations
+    weight = 0.05 * torch.randn(n, k, generator=gen)
+    weight[:, 9] = 0  # a dead input channel
+    act_absmax, w_absmax = x.abs().amax(0), weight.abs().amax(0)
+    s = answers.smoothquant_scales(act_absmax, weight, 0.5)
+    expected = torch.where((act_absmax > 0) & (w_absmax > 0), act_absmax.sqrt() / w_absmax.sqrt(), 1.0)
+    torch.testing.assert_close(s.float(), expected)
+    for alpha in (0.0, 0.3, 0.8):  # the general formula, not only its square-root case
+        s_alpha = answers.smoothquant_scales(act_absmax, weight, alpha).float()
+        live = w_absmax > 0
+        torch.testing.assert_close(s_alpha[live], act_absmax[live] ** alpha / w_absmax[live] ** (1 - alpha))
+    torch.testing.assert_close((x / s) @ (weight * s).T, x @ weight.T, rtol=1e-5, atol=1e-4)  # exact migration
+    live = w_absmax > 0
+    torch.testing.assert_close((x / s).abs().amax(0)[live], (weight * s).abs().amax(0)[live])  # alpha 0.5 balances
+
+    def static_int8_error(inputs, w):
+        linear = torch.nn.Linear(k, n, bias=False)
+        linear.weight.data = w.clone()
+        quantized = StaticInt8Linear.from_linear(linear, inputs.abs().max().item())
+        with torch.no_grad():
+            return (quantized(inputs).float() - x @ weight.T).pow(2).mean().item()
+
+    plain, smoothed = static_int8_error(x, weight), static_int8_error(x / s, weight * s)
+    assert smoothed < plain / 4, f"smoothing should cut static int8's squared error: {plain:.3g} -> {smoothed:.3g}"
