@@ -53,3 +53,20 @@ def diverse_beam_search(tree, num_groups, diversity_penalty, length):
             chosen.append(token)
             paths[g] += token
     return paths
+
+
+def reorder_copies(n_layer: int, kv_heads: int, head_dim: int, bytes_per_number: int, prompts: list[int],
+                   num_beams: int, max_new_tokens: int, block_size: int) -> tuple[int, int]:
+    """Exercise 4: What following the beams copies"""
+    per_token = 2 * n_layer * kv_heads * head_dim * bytes_per_number  # one token's keys and values, every layer
+    rows, longest = len(prompts) * num_beams, max(prompts)
+    columns = longest + sum(longest + n - 1 for n in range(1, max_new_tokens))  # the first select, then steps
+    contiguous = rows * columns * per_token
+    blocks_bound = rows * (max_new_tokens - 1) * block_size * per_token  # a block per beam per feed
+    return contiguous, blocks_bound
+    # The contiguous count grows with the square of the search's length (each select copies everything so far);
+    # the bound grows linearly, one block per beam per step. A contiguous select copies more than a block each
+    # once the rows hold more than block_size tokens (after the 9th step with a 7-token prompt and 16-token
+    # blocks), and its total passes the bound at 20 steps (whatever the model: per-token bytes and rows cancel).
+    # What a block pool saves in memory too: beams that share a prefix hold it once, where a contiguous cache holds
+    # num_beams copies of the prompt.

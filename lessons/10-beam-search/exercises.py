@@ -63,3 +63,27 @@ def diverse_beam_search(tree: dict[str, dict[str, float]], num_groups: int, dive
     group is greedy; with a large one the groups take different tokens at every step.
     """
     raise NotImplementedError
+
+
+def reorder_copies(n_layer: int, kv_heads: int, head_dim: int, bytes_per_number: int, prompts: list[int],
+                   num_beams: int, max_new_tokens: int, block_size: int) -> tuple[int, int]:
+    """Exercise 4: What following the beams copies
+
+    Beam search with EOS off runs every step: prefill each prompt once (prompts: their lengths), copy it to its
+    num_beams beams, then at each of the steps before the last, pick the beams and make the cache follow them
+    before feeding their tokens. Return (contiguous, blocks_bound), in bytes over the whole search:
+
+      contiguous     what a contiguous cache's reorders copy (`StaticCache.reorder`): every select copies each of
+                     the rows it keeps, keys and values of every layer and KV head, over the columns in use (all
+                     rows padded to the longest prompt, since the prompts were prefilled together). The first
+                     select comes after the prefill; the one at step n (1 .. max_new_tokens − 1) before step n's
+                     token is fed.
+      blocks_bound   the most `cache="blocks"` can copy: a select only forks (shares blocks); copy-on-write copies
+                     a shared partial block when a beam writes into it, so at most one block (block_size tokens,
+                     every layer, keys and values) per beam each time the beams' tokens are fed
+                     (max_new_tokens − 1 times).
+
+    Predict first: at what search length does the contiguous count overtake the bound, and how does each grow?
+    The check runs the package's beam search with both caches and reads `stats.extra["cache_copied_bytes"]`.
+    """
+    raise NotImplementedError

@@ -131,3 +131,18 @@ def test_exercise_3_large_penalty_takes_different_tokens(answers):
         options = {v: p for v, p in TREE[second].items() if v != paths[0][step]}
         second += max(options, key=options.get)
     assert paths[1] == second
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_exercise_4_what_following_the_beams_copies(answers, kind):
+    _, model = tiny_pair(kind)
+    c = model.config
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    for beams, steps in ((2, 5), (4, 20), (3, 40)):
+        settings = dict(num_beams=beams, num_return_sequences=1, max_new_tokens=steps, eos_token_id=())
+        static = beam_search(model, prompts, cache="static", **settings).stats.extra["cache_copied_bytes"]
+        blocks = beam_search(model, prompts, cache="blocks", **settings).stats.extra["cache_copied_bytes"]
+        contiguous, bound = answers.reorder_copies(c.n_layer, c.kv_heads, c.head_size, 4, [len(p) for p in prompts],
+                                                   beams, steps, 16)
+        assert contiguous == static, (beams, steps)
+        assert blocks <= bound, (beams, steps, blocks, bound)
