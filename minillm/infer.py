@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "context (the model then sees only its most recent tokens, lesson 02); without it such a "
                         "request is refused before anything runs (plain generation: speculative decoding and beam "
                         "search never slide)")
-    p.add_argument("--cache", default="static", choices=("static", "dynamic", "none"),
-                   help="KV cache: 'static' (preallocated, default), 'dynamic' (grows), 'none' (recompute each step)")
+    p.add_argument("--cache", default="static", choices=("static", "dynamic", "blocks", "none"),
+                   help="KV cache: 'static' (preallocated, default), 'dynamic' (grows), 'blocks' (rows in a paged "
+                        "block pool: beams share blocks, copy on write), 'none' (recompute each step)")
     p.add_argument("--plain", action="store_true",
                    help="run the plain from-scratch model, without the fast paths swapped in after loading "
                         "(oneDNN float32 matmuls on CPU); same tokens, slower")
@@ -307,6 +308,9 @@ def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: d
                   f"({'-' if rate is None else f'{rate:.0%}'}), "
                   f"{'-' if per_forward is None else f'{per_forward:.2f}'} tokens per target forward, "
                   f"{'-' if fed is None else f'{fed:.1f}'} fed per forward]", file=sys.stderr)
+        if "cache_copied_bytes" in s.extra:  # beam search: what following the beams copied (lesson 10)
+            print(f"[beams: the {args.cache} cache's reorders copied {s.extra['cache_copied_bytes'] / 2**20:.1f} MiB]",
+                  file=sys.stderr)
     return 0
 
 

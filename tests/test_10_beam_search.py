@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -219,6 +220,21 @@ def test_cli_beam_search_matches_the_api(capsys, default_model):
                       max_new_tokens=6)
     assert [line["token_ids"] for line in lines] == api.token_ids
     assert [line["score"] for line in lines] == pytest.approx(api.sequences_scores, abs=1e-4)
+
+
+def test_cli_beams_on_shared_blocks_give_the_same_beams_and_say_what_they_copied(capsys, default_model):
+    """--cache blocks: the same beams as the static cache, and --stats says what each cache's reorders copied."""
+    from minillm.infer import main
+
+    copied = {}
+    for cache in ("static", "blocks"):
+        assert main(["--prompt", "What is 2+2?", "--num-beams", "3", "--max-new-tokens", "12", "--cache", cache,
+                     "--json", "--stats"]) == 0
+        captured = capsys.readouterr()
+        copied[cache] = (json.loads(captured.out.splitlines()[0])["token_ids"],
+                         float(re.search(rf"the {cache} cache's reorders copied ([\d.]+) MiB", captured.err)[1]))
+    assert copied["blocks"][0] == copied["static"][0]
+    assert 0 < copied["blocks"][1] < copied["static"][1]
 
 
 def test_notebook_runs(run_notebook):
