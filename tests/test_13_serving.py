@@ -160,6 +160,42 @@ def test_concurrent_greedy_requests_each_equal_their_solo_output(tiny_server, ti
     wait_until_idle(tiny_server)
 
 
+def test_beam_search_through_the_server_equals_the_package(tiny_server, tiny_model):
+    """use_beam_search (vLLM's extra): n beams, the n best returned, through the engine one token a step; the same
+    hypotheses as the package's beam_search (itself checked against transformers' in lesson 10), for completions
+    of two prompts and for chat, and nothing held afterwards."""
+    from minillm.strategies.beam import beam_search
+
+    model, tokenizer = tiny_model
+    client = client_for(tiny_server)
+    prompts = ["The capital of France is", "Once upon a time"]
+    answer = client.completions.create(model="tiny", prompt=prompts, max_tokens=9, n=3,
+                                       extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    expected = beam_search(model, prompts, tokenizer=tokenizer, num_beams=3, num_return_sequences=3,
+                           max_new_tokens=9, length_penalty=0.5)
+    assert [c.text for c in answer.choices] == [row.text for row in expected.rows]
+    assert [c.index for c in answer.choices] == list(range(6))
+    assert answer.usage.completion_tokens == sum(len(row.token_ids) for row in expected.rows)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          n=2, extra_body={"use_beam_search": True, "early_stopping": "never"})
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    expected = beam_search(model, [tokenizer.encode(prompt)], tokenizer=tokenizer, num_beams=2,
+                           num_return_sequences=2, max_new_tokens=6, early_stopping="never")
+    assert [c.message.content for c in chat.choices] == [row.text for row in expected.rows]
+    wait_until_idle(tiny_server)
+
+
+@pytest.mark.parametrize("extra,param", [({"stream": True}, "stream"), ({"temperature": 0.7}, "temperature"),
+                                         ({"logprobs": 2}, "logprobs"), ({"n": 0}, "n"),
+                                         ({"repetition_penalty": 1.3}, None)])
+def test_beam_search_refuses_what_it_cannot_honour(tiny_server, extra, param):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "use_beam_search": True, **extra}
+    response = httpx.post(tiny_server.base_url + "/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and "\n" not in error["message"]
+
+
 def test_stream_format_and_usage_chunk(tiny_server):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}

@@ -99,6 +99,9 @@ class SamplingParameters(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False  # an extra (vLLM's too): exact output lengths for benchmarks
+    use_beam_search: bool = False  # extras, as vLLM's server has them: n beams, the n best returned
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     logit_bias: dict[str, float] | None = None
     max_tokens: int | None = None
 

@@ -52,6 +52,7 @@ from ..decoding.settings import SamplingError
 from ..decoding.structured import token_index
 from ..runtime.engine import Engine
 from .async_engine import AsyncEngine, EngineFailed, QueueFull
+from .beams import beam_search, beam_settings
 from .choices import Choices
 from .http import BodyLimit, api_response, sse, validation_error
 from .metrics import ServerMetrics
@@ -73,6 +74,7 @@ from .openai_api import (
     new_id,
     refuse_unsupported,
     sampling_config,
+    usage,
 )
 from .tools import Tools, turns_with_tools
 
@@ -183,6 +185,8 @@ class OpenAIServer:
 
     async def complete(self, body, prompts: list[list[int]], request: Request, kind: str, tools: Tools | None = None):
         """The non-streaming answer, or a StreamingResponse; kind is "text_completion" or "chat.completion"."""
+        if body.use_beam_search:
+            return await self.beam_answer(body, prompts, kind)
         choices = await self.submit(body, prompts, tools)
         response_id = new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         if body.stream:
@@ -207,6 +211,34 @@ class OpenAIServer:
                                    tools.parse_call(whole.text) if tools else None)
                        for i, whole in enumerate(choices.whole)]
         return envelope(kind, response_id, self.model_name, answers, choices.usage())
+
+    async def beam_answer(self, body, prompts: list[list[int]], kind: str) -> dict:
+        """`use_beam_search`: each prompt's n best beams, prompt after prompt (`minillm.serving.beams`)."""
+        if body.model is not None:
+            check_model_name(body.model, self.model_name)
+        refuse_unsupported(body)
+        vocab_size = self.engine.engine.model.config.vocab_size
+        try:
+            check_prompts(prompts, self.max_model_len, vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        deadline = asyncio.get_running_loop().time() + self.request_timeout
+        answers, completion_tokens = [], 0
+        for prompt in prompts:
+            settings = beam_settings(body, max_new_tokens(body, len(prompt), self.max_model_len), self.tokenizer)
+            try:
+                out = await beam_search(self.engine, prompt, settings, vocab_size, self.tokenizer, deadline)
+            except QueueFull as e:
+                raise APIError(503, f"the server is busy: {e}", type="server_overloaded",
+                               headers={"Retry-After": "1"}) from None
+            except EngineFailed as e:
+                raise engine_failed(e) from None
+            for row in out.rows:
+                choice = completion_choice if kind == "text_completion" else chat_choice
+                answers.append(choice(len(answers), row.text, row.finish_reason))
+                completion_tokens += len(row.token_ids)
+        return envelope(kind, new_id("cmpl" if kind == "text_completion" else "chatcmpl"), self.model_name, answers,
+                        usage(sum(map(len, prompts)), completion_tokens))
 
     async def completion_chunks(self, body, choices: Choices, request: Request, response_id: str):
         text_offsets = [0] * len(choices.whole)  # where each choice's next token begins (logprobs' text_offset)

@@ -113,7 +113,7 @@ def continuation_logprobs(model, prompt_ids: list[int], token_ids: list[int]) ->
 
 
 @dataclass
-class _Prompt:
+class PromptSearch:
     """One prompt's search: its running beams and its best finished hypotheses (best first)."""
 
     prompt_ids: list[int]
@@ -121,6 +121,68 @@ class _Prompt:
     scores: torch.Tensor  # float32 [num_beams]: running hypotheses' summed log-probs
     finished: list[tuple[float, list[int]]] = field(default_factory=list)
     done: bool = False
+
+    @classmethod
+    def start(cls, prompt_ids: list[int], num_beams: int) -> "PromptSearch":
+        """Before the first step: num_beams copies of the prompt, of which only the first may expand."""
+        scores = torch.full((num_beams,), EXCLUDED)
+        scores[0] = 0.0
+        return cls(list(prompt_ids), [[] for _ in range(num_beams)], scores)
+
+    def stop_here(self, length_penalty: float) -> None:
+        """End the search now (a time limit): the running beams join the finished ones, scored at their length."""
+        running = [(float(score) / len(beam) ** length_penalty, beam) for score, beam in zip(self.scores, self.beams)
+                   if beam and score > EXCLUDED / 2]
+        self.finished = sorted(self.finished + running, key=lambda f: -f[0])[:len(self.beams)]
+        self.done = True
+
+
+@dataclass(frozen=True)
+class BeamSettings:
+    """What every step of a search reads."""
+
+    num_beams: int
+    max_new_tokens: int
+    length_penalty: float
+    early_stopping: bool | str
+    eos: frozenset[int]
+
+    @property
+    def candidates(self) -> int:
+        """Candidates looked at per step: enough that num_beams unfinished ones remain whatever ends."""
+        return max(2, 1 + len(self.eos)) * self.num_beams
+
+
+def advance(searches: list[PromptSearch], log_probs: torch.Tensor, n_new: int,
+            settings: BeamSettings) -> tuple[list[int], list[int]]:
+    """One step of the searches still running (see the module docstring): log_probs float32 [A, num_beams, V], each
+    beam's next-token log-probabilities (a vocabulary entry of -inf is never picked). Updates each search's beams,
+    scores, finished hypotheses and `done`; returns, for the beams that run on, the row (a * num_beams + beam) each
+    continues and the token it takes."""
+    A, num_beams, vocab = log_probs.shape
+    totals = log_probs + torch.stack([s.scores for s in searches])[:, :, None]  # [A, beams, V]
+    top_scores, top_index = totals.view(A, -1).topk(settings.candidates, dim=-1)  # [A, K], best first
+    source_beam, token = top_index // vocab, top_index % vocab
+    at_length = n_new == settings.max_new_tokens
+    hits = torch.isin(token, torch.tensor(sorted(settings.eos), dtype=torch.long)) | at_length  # [A, K]: ends
+    finished_scores = top_scores / (n_new ** settings.length_penalty)
+    running_scores = top_scores + hits.float() * EXCLUDED
+    next_scores, next_rank = running_scores.topk(num_beams, dim=-1)  # [A, beams]
+    sources, next_tokens = [], []
+    for a, search in enumerate(searches):
+        beam_of, token_of, ranks = source_beam[a].tolist(), token[a].tolist(), next_rank[a].tolist()
+        for k in range(num_beams):  # only the top num_beams candidates may finish
+            if hits[a, k]:
+                search.finished.append((finished_scores[a, k].item(), search.beams[beam_of[k]] + [token_of[k]]))
+        search.finished = sorted(search.finished, key=lambda f: -f[0])[:num_beams]  # stable: older first on ties
+        search.beams = [search.beams[beam_of[r]] + [token_of[r]] for r in ranks]
+        search.scores = next_scores[a]
+        search.done = _is_done(search, num_beams, n_new, settings.max_new_tokens, settings.length_penalty,
+                               settings.early_stopping)
+        if not search.done:
+            sources += [a * num_beams + beam_of[r] for r in ranks]
+            next_tokens += [token_of[r] for r in ranks]
+    return sources, next_tokens
 
 
 @torch.inference_mode()
@@ -150,7 +212,7 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)))
     t_start = time.perf_counter()
     n_prompts, vocab = len(prompt_ids), model.config.vocab_size
-    candidates = max(2, 1 + len(eos)) * num_beams  # enough that num_beams unfinished ones remain
+    settings = BeamSettings(num_beams, config.max_new_tokens, length_penalty, early_stopping, frozenset(eos))
     runner = ModelRunner(model, cache=cache, max_len=longest + config.max_new_tokens, max_batch=n_prompts * num_beams)
 
     def hypotheses(token_lists):  # each beam is a sequence of its own: its prompt and its new tokens
@@ -161,40 +223,16 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     logits = logits.repeat_interleave(num_beams, dim=0)  # [P * num_beams, V]
     runner.select(torch.arange(n_prompts).repeat_interleave(num_beams),
                   hypotheses([ids for ids in prompt_ids for _ in range(num_beams)]))
-    first_scores = torch.full((num_beams,), EXCLUDED)
-    first_scores[0] = 0.0  # all beams are the same prompt: only the first may expand at step 1
-    searches = [_Prompt(ids, [[] for _ in range(num_beams)], first_scores.clone()) for ids in prompt_ids]
-    eos_tensor = torch.tensor(sorted(eos), dtype=torch.long)
+    searches = [PromptSearch.start(ids, num_beams) for ids in prompt_ids]
 
     for n_new in range(1, config.max_new_tokens + 1):  # n_new: tokens each candidate holds after this step
         active = [s for s in searches if not s.done]  # the batch rows, num_beams per search, in this order
         log_probs = logits.float().log_softmax(dim=-1).cpu().view(len(active), num_beams, vocab)
-        totals = log_probs + torch.stack([s.scores for s in active])[:, :, None]  # [A, beams, V]
-        top_scores, top_index = totals.view(len(active), -1).topk(candidates, dim=-1)  # [A, K], best first
-        source_beam, token = top_index // vocab, top_index % vocab
-        at_length = n_new == config.max_new_tokens
-        hits = torch.isin(token, eos_tensor) | at_length  # [A, K]: the candidate ends its hypothesis
-        finished_scores = top_scores / (n_new ** length_penalty)
-        running_scores = top_scores + hits.float() * EXCLUDED
-        next_scores, next_rank = running_scores.topk(num_beams, dim=-1)  # [A, beams]
-
-        sources, next_tokens, next_beams = [], [], []
-        for a, search in enumerate(active):
-            beam_of, token_of, ranks = source_beam[a].tolist(), token[a].tolist(), next_rank[a].tolist()
-            for k in range(num_beams):  # only the top num_beams candidates may finish
-                if hits[a, k]:
-                    search.finished.append((finished_scores[a, k].item(), search.beams[beam_of[k]] + [token_of[k]]))
-            search.finished = sorted(search.finished, key=lambda f: -f[0])[:num_beams]  # stable: older first on ties
-            search.beams = [search.beams[beam_of[r]] + [token_of[r]] for r in ranks]
-            search.scores = next_scores[a]
-            search.done = _is_done(search, num_beams, n_new, config.max_new_tokens, length_penalty, early_stopping)
-            if not search.done:
-                sources += [a * num_beams + beam_of[r] for r in ranks]
-                next_tokens += [token_of[r] for r in ranks]
-                next_beams += [search.prompt_ids + beam for beam in search.beams]
+        sources, next_tokens = advance(active, log_probs, n_new, settings)
+        next_beams = [s.prompt_ids + beam for s in active if not s.done for beam in s.beams]
         if stats.forward_passes == 1:
             stats.prefill_seconds = time.perf_counter() - t_start
-        if at_length or not sources:
+        if n_new == config.max_new_tokens or not sources:
             break
         beams = hypotheses(next_beams)
         runner.select(sources, beams)  # the cache rows follow their beams: duplicated, kept or dropped
@@ -206,10 +244,10 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     cache_state = runner.session.cache  # None without a cache
     stats.extra.update(num_beams=num_beams,  # decode_tokens counts beam rows forwarded after the first step
                        cache_copied_bytes=cache_state.copied_bytes if cache_state is not None else 0)
-    return _output(searches, num_return_sequences, eos, config, tokenizer, stats)
+    return beam_output(searches, num_return_sequences, eos, config, tokenizer, stats)
 
 
-def _is_done(search: _Prompt, num_beams, n_new, max_new_tokens, length_penalty, early_stopping) -> bool:
+def _is_done(search: PromptSearch, num_beams, n_new, max_new_tokens, length_penalty, early_stopping) -> bool:
     """Can this prompt's finished set still change? (transformers' early-stopping rules)"""
     if len(search.finished) < num_beams:
         return False
@@ -220,7 +258,8 @@ def _is_done(search: _Prompt, num_beams, n_new, max_new_tokens, length_penalty, 
     return not best_running > search.finished[-1][0]
 
 
-def _output(searches, num_return_sequences, eos, config, tokenizer, stats) -> BeamSearchOutput:
+def beam_output(searches, num_return_sequences, eos, config, tokenizer, stats) -> BeamSearchOutput:
+    """Each search's num_return_sequences best finished hypotheses as rows (text, finish reason), best first."""
     rows, scores = [], []
     for search in searches:
         for score, token_ids in search.finished[:num_return_sequences]:
