@@ -21,6 +21,7 @@ from .infer_flags import (
     check_constraint,
     check_flag_combinations,
     lookahead_options,
+    samples_per_prompt,
     sampling_config,
 )
 from .strategies.streaming import PrintStreamer
@@ -155,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="true: stop once N beams finished; false (default): also when no running beam can win "
                         "at its current length; never: only when none can win at any length")
     b.add_argument("--num-return-sequences", type=int, default=1, metavar="K",
-                   help="print the K best beams per prompt, K <= N (default 1)")
+                   help="print the K best beams per prompt, K <= N (default 1); without --num-beams, K samples per "
+                        "prompt (seeds --seed, --seed + 1, ...)")
 
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true",
@@ -246,6 +248,11 @@ def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: d
     rows = encode_prompts([prompt_text(tokenizer, p, args.chat, args.system) for p in prompts], tokenizer)
     if not args.slide:
         check_rows_fit_context(rows, args, model.config.context_length)
+    samples = 1 if beam is not None else samples_per_prompt(args, config)
+    if samples > 1:  # K answers per prompt, each its own row and seed (seed + j, as the server's choices)
+        config = [config.with_(seed=None if config.seed is None else config.seed + j) for _ in rows
+                  for j in range(samples)]
+        rows = [row for row in rows for _ in range(samples)]
     stream = not args.json and len(rows) == 1 and beam is None
     # None: the kept graphs if built (and the default attention: another kernel runs only eagerly)
     compile = True if args.compile else False if args.eager or group is not None else None
@@ -275,7 +282,7 @@ def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: d
         if hint := eager_path_hint(out.stats.extra, compile_command(args, rows_decoded,
                                                                    out.stats.extra.get("num_draft_tokens"))):
             print(hint, file=sys.stderr)
-    per_prompt = beam["num_return_sequences"] if beam else 1
+    per_prompt = beam["num_return_sequences"] if beam else samples
     for i, row in enumerate(out.rows):
         prompt = prompts[i // per_prompt]
         score = {"score": out.sequences_scores[i]} if beam else {}
@@ -284,7 +291,8 @@ def generate_and_print(args, prompts: list[str], config: SamplingConfig, beam: d
                               "prompt_tokens": len(row.prompt_ids), "finish_reason": row.finish_reason, **score,
                               "stats": out.stats.to_dict()}))
         elif not stream:
-            label = f" (beam {i % per_prompt + 1}, score {score['score']:.3f})" if beam else ""
+            label = f" (beam {i % per_prompt + 1}, score {score['score']:.3f})" if beam else \
+                f" (sample {i % per_prompt + 1})" if per_prompt > 1 else ""
             print(f"### {prompt}{label}\n{row.text}\n")
     if args.stats:
         s = out.stats

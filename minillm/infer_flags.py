@@ -66,14 +66,16 @@ def check_constraint(args, config: SamplingConfig) -> None:
 
 
 def beam_options(args, config: SamplingConfig) -> dict | None:
-    """The beam-search flags, checked before the model load; None without --num-beams > 1."""
+    """The beam-search flags, checked before the model load; None without --num-beams > 1 (then
+    --num-return-sequences K > 1 asks for K samples per prompt: `samples_per_prompt`)."""
     from .strategies.beam import check_beam_options
 
     given = [flag for flag, value in (("--length-penalty", args.length_penalty),
                                       ("--early-stopping", args.early_stopping)) if value is not None]
-    if args.num_beams == 1 and args.num_return_sequences == 1:
+    if args.num_beams == 1:
         if given:
             raise ValueError(f"{given[0]} applies to beam search only: add --num-beams N with N > 1")
+        samples_per_prompt(args, config)
         return None
     early = {None: "false", "true": "true", "false": "false", "never": "never"}.get(
         args.early_stopping and args.early_stopping.lower())
@@ -86,6 +88,20 @@ def beam_options(args, config: SamplingConfig) -> dict | None:
                    early_stopping={"true": True, "false": False, "never": "never"}[early])
     check_beam_options(config, **options)
     return options
+
+
+def samples_per_prompt(args, config: SamplingConfig) -> int:
+    """Without beams, --num-return-sequences K draws K answers per prompt (seeds seed, seed + 1, ..., as the server's
+    n choices): refused where they could only be alike or where the strategy runs one row."""
+    k = args.num_return_sequences
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"--num-return-sequences {k} is invalid: must be an integer >= 1")
+    if k > 1 and not config.do_sample:
+        raise ValueError(f"--num-return-sequences {k} without --num-beams draws {k} samples, but decoding is greedy "
+                         f"(all {k} would be the same): add --temperature > 0, or --num-beams N >= {k}")
+    if k > 1 and getattr(args, "speculative", None):
+        raise ValueError("--num-return-sequences with --speculative: speculative decoding runs one row; choose one")
+    return k
 
 
 def lookahead_options(args) -> dict:

@@ -332,7 +332,7 @@ CLI_BAD = [
     ["--temperature", "-1"], ["--temperature", "nan"], ["--top-k", "-3"], ["--top-k", "2.5"], ["--top-p", "0"],
     ["--top-p", "1.5"], ["--min-p", "-0.1"], ["--min-p", "2"], ["--repetition-penalty", "0"],
     ["--presence-penalty", "3"], ["--frequency-penalty", "-2.5"], ["--seed", "-1"], ["--seed", "x"],
-    ["--max-new-tokens", "-5"],
+    ["--max-new-tokens", "-5"], ["--num-return-sequences", "3"], ["--num-return-sequences", "0"],
 ]
 
 
@@ -362,6 +362,27 @@ def test_cli_filters_turn_sampling_on():
     assert not config("--top-p", "0.9").greedy and config("--top-p", "0.9").temperature == 1.0
     assert not config("--temperature", "0.7", "--seed", "3").greedy
     assert config("--greedy", "--top-k", "5").greedy and config("--temperature", "0", "--top-k", "5").greedy
+
+
+def test_cli_draws_k_samples_per_prompt_as_the_api_does_with_seeds_seed_plus_j(capsys, default_model):
+    """--num-return-sequences K without beams: K answers per prompt, the j-th the API's row with seed + j (what the
+    server's n choices are); greedy decoding is refused (CLI_BAD), since all K would be the same."""
+    import json
+
+    from minillm.strategies.generate import generate
+
+    model, tokenizer = default_model
+    assert main(["--prompt", "Name a fruit.", "--prompt", "Name a color.", "--temperature", "0.9", "--seed", "4",
+                 "--num-return-sequences", "3", "--max-new-tokens", "8", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["Name a fruit."] * 3 + ["Name a color."] * 3
+    for question, rows in (("Name a fruit.", lines[:3]), ("Name a color.", lines[3:])):
+        prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                                add_generation_prompt=True))
+        expected = [generate(model, [prompt], SamplingConfig(max_new_tokens=8, do_sample=True, temperature=0.9,
+                                                             seed=4 + j)).token_ids[0] for j in range(3)]
+        assert [line["token_ids"] for line in rows] == expected
+    assert len({tuple(line["token_ids"]) for line in lines[:3]}) > 1
 
 
 def test_notebook_runs(run_notebook):
