@@ -14,8 +14,9 @@ int4 (own quantization, int8 head), the GGUF's Q4_1 blocks run natively (int8 or
 head), dynamic int8, and at batch 1 the int8 and GGUF ones also compiled
 (`generate(compile=True)`, lesson 15: Inductor's generated kernels for the quantized
 matmuls); transformers float32 on the same weights as the reference, and, when
-`llama-cpp-python` is installed, llama.cpp on the same GGUF (Q4_1) and on its
-Q8_0 requantization (`minillm.bench.llama_cpp`), batch 1.
+`llama-cpp-python` is installed, llama.cpp on the same GGUF (Q4_1), on its
+Q8_0 requantization and on the Q4_K_M its quantizer makes (`minillm.bench.llama_cpp`), batch 1,
+beside minillm running that same Q4_K_M file's blocks (`--quant gguf --model FILE`), accuracy included.
 
     python -m minillm.bench quant            # 128 prompt + 128 new tokens, all ~12k held-out tokens
     python -m minillm.bench quant --quick    # 32 + 16, 1024 held-out tokens, 1 repeat
@@ -37,7 +38,7 @@ from ..speed.quantize_model import linears, quantize_model, weight_bytes
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import COMPILED_SUFFIX, alternate, finish_figure, median, plot_title
-from .llama_cpp import LlamaCpp, gguf_as, missing_reason
+from .llama_cpp import LlamaCpp, gguf_as, missing_reason, quantized_by_llama_cpp
 
 BATCHES = (1, 8)
 COMPILED = ("int8", "GGUF Q4_1 (int8 head)", "GGUF Q4_1 (int4 head)")  # also run compiled (lesson 15), batch 1
@@ -51,8 +52,9 @@ def params_read(model) -> int:
                                                         if untied else 0)
 
 
-def build_variants(model, bf16_model, gguf, calibration) -> dict:
-    """name -> model: the variants whose speed is measured, each swap on its own copy of the float32 model."""
+def build_variants(model, bf16_model, gguf, calibration, k_quant=None) -> dict:
+    """name -> model: the variants whose speed is measured, each swap on its own copy of the float32 model;
+    k_quant: a Q4_K_M file of the model (llama.cpp's quantizer's), run as stored, when there is one."""
     return {
         "float32": model,
         "bfloat16": bf16_model,
@@ -62,6 +64,7 @@ def build_variants(model, bf16_model, gguf, calibration) -> dict:
         "GGUF Q4_1 (int4 head)": use_gguf_weights(copy.deepcopy(model), gguf, head="int4"),
         "dynamic int8": quantize_model(copy.deepcopy(model), "dynamic-int8"),
         "static int8": quantize_model(copy.deepcopy(model), "static-int8", calibration_tokens=calibration),
+        **({"GGUF Q4_K_M": use_gguf_weights(copy.deepcopy(model), k_quant)} if k_quant else {}),
     }
 
 
@@ -111,7 +114,9 @@ def run(args) -> dict:
     gguf = gguf_path_for(args.model)
     ids = tokenizer.encode(TEXT * 4)
     calibration = torch.tensor([ids[-512:]])  # not the held-out text, not the benchmark prompt
-    variants = build_variants(model, bf16_model, gguf, calibration)
+    llama_cpp = missing_reason()
+    k_quant = quantized_by_llama_cpp(gguf) if llama_cpp is None else None
+    variants = build_variants(model, bf16_model, gguf, calibration, k_quant)
     bandwidth = measure_memory_bandwidth()
 
     accuracy_variants = {name: m for name, m in variants.items() if name != "float32"}
@@ -136,11 +141,11 @@ def run(args) -> dict:
     folder = resolve_checkpoint_folder(args.model)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     hf_model.generation_config.eos_token_id = None
-    llamas, llama_cpp = {}, missing_reason()
+    llamas = {}
     if llama_cpp is None:
         context = prompt_tokens + new_tokens + 8
         llamas = {f"llama.cpp {kind}": LlamaCpp(path, context, threads=torch.get_num_threads())
-                  for kind, path in (("Q4_1", gguf), ("Q8_0", gguf_as(gguf, "Q8_0")))}
+                  for kind, path in (("Q4_1", gguf), ("Q8_0", gguf_as(gguf, "Q8_0")), ("Q4_K_M", k_quant))}
     speed = {}
     for batch in BATCHES:
         prompts = [ids[i * 7: i * 7 + prompt_tokens] for i in range(batch)]
@@ -148,7 +153,7 @@ def run(args) -> dict:
         contenders["transformers float32"] = _transformers_decode(hf_model, prompts, new_tokens)
         if batch == 1:  # the first (warm-up) round compiles each variant's graph: about a minute each
             contenders.update({name + COMPILED_SUFFIX: _decode(variants[name], prompts, new_tokens, compile=True)
-                               for name in COMPILED})
+                               for name in COMPILED + ("GGUF Q4_K_M",) if name in variants})
             contenders.update({name: _llama_cpp_decode(llama, prompts[0], new_tokens) for name, llama in llamas.items()})
         with torch.inference_mode():
             times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode batch {batch}")
@@ -172,7 +177,7 @@ def run(args) -> dict:
             "memory_bandwidth_gb_s": bandwidth / 1e9, "accuracy": accuracy,
             "decode": {str(b): rows for b, rows in speed.items()},
             "prefill": {"tokens": prefill_tokens, "seconds": prefill},
-            "llama_cpp": llama_cpp or "measured: Q4_1 on the same GGUF, Q8_0 on its requantization"}
+            "llama_cpp": llama_cpp or "measured: Q4_1 on the same GGUF, Q8_0 and Q4_K_M on its requantizations"}
 
 
 def plot(data: dict, path=None):
