@@ -194,6 +194,32 @@ def test_n_choices_compute_their_prompt_once_and_draw_what_separate_requests_dra
     assert_nothing_leaked(grouped)
 
 
+def test_a_held_request_is_continued_by_a_fork_that_feeds_one_token(tiny):
+    """hold=True keeps a finished request's blocks; continue_request forks them and feeds only the new token, and
+    gives what generate gives the whole text; release frees the blocks; a request not held is refused."""
+    _, model = tiny
+    (prompt,) = random_prompts(1, model.config.vocab_size, seed=10, shared=13, longest=2)
+    engine = Engine(model, block_size=4, num_blocks=40)
+    (parent,) = engine.add_requests(prompt, [SamplingConfig(max_new_tokens=1, eos_token_id=())], hold=True)
+    while engine.has_unfinished():
+        engine.step()
+    held = engine.manager.num_free
+    children = [engine.continue_request(parent, token, GREEDY) for token in (5, 9)]
+    assert engine.manager.num_free == held  # forks take no block until they write
+    engine.release(parent)
+    while engine.has_unfinished():
+        engine.step()
+    for child, token in zip(children, (5, 9)):
+        assert engine.output(child).token_ids == solo_runs(model, [prompt + [token]], [GREEDY])[0]
+    assert sum(step.prefill_tokens for step in engine.timeline) == len(prompt) + 2  # the children fed one token each
+    assert sum(step.blocks_copied for step in engine.timeline) == 1  # 13 + 1 tokens: one shared partial block
+    with pytest.raises(ValueError, match="cannot be continued: only a finished request added with hold=True"):
+        engine.continue_request(children[0], 1, GREEDY)
+    for child in children:
+        engine.release(child)
+    assert_nothing_leaked(engine)
+
+
 def test_an_aborted_leader_leaves_its_forks_to_compute_their_own_prompt(tiny):
     _, model = tiny
     (prompt,) = random_prompts(1, model.config.vocab_size, seed=9, shared=10, longest=2)

@@ -169,6 +169,7 @@ def test_beam_search_through_the_server_equals_the_package(tiny_server, tiny_mod
     model, tokenizer = tiny_model
     client = client_for(tiny_server)
     prompts = ["The capital of France is", "Once upon a time"]
+    before = len(tiny_server.engine.timeline)
     answer = client.completions.create(model="tiny", prompt=prompts, max_tokens=9, n=3,
                                        extra_body={"use_beam_search": True, "length_penalty": 0.5})
     expected = beam_search(model, prompts, tokenizer=tokenizer, num_beams=3, num_return_sequences=3,
@@ -176,6 +177,11 @@ def test_beam_search_through_the_server_equals_the_package(tiny_server, tiny_mod
     assert [c.text for c in answer.choices] == [row.text for row in expected.rows]
     assert [c.index for c in answer.choices] == list(range(6))
     assert answer.usage.completion_tokens == sum(len(row.token_ids) for row in expected.rows)
+    # Each beam forks the request it extends and feeds one token: every step's requests fed one token each, but
+    # for the prompts' own first forwards.
+    steps = tiny_server.engine.timeline[before:]
+    fed = sum(step.prefill_tokens + step.decode_tokens for step in steps)
+    assert fed == sum(len(step.requests) for step in steps) + sum(len(tokenizer.encode(p)) - 1 for p in prompts)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
                                           n=2, extra_body={"use_beam_search": True, "early_stopping": "never"})
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)

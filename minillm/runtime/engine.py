@@ -37,7 +37,10 @@ Several requests over one prompt (`add_requests`: a server's n choices) compute 
 the first prefills it, and when it draws its first token the others fork its blocks
 (`BlockManager.fork`), each drawing its own first token from the same logits. They share
 every block until one writes into a shared partial block, which is then copied for it
-alone (copy-on-write; `StepRecord.blocks_copied` counts the copies).
+alone (copy-on-write; `StepRecord.blocks_copied` counts the copies). A request added with
+`hold=True` keeps its blocks when it finishes, until released: `continue_request` forks it
+into a new request that feeds one more token, which is how the server's beam search moves
+each beam on without computing its history again (`minillm.serving.beams`).
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class Engine:
         self._next_id = 0
         self._pending: list[GenerationEvent] = []  # events owed before the next forward (requests with nothing to do)
         self._forks: dict[int, list[Sequence]] = {}  # a prefilling request's id -> the requests that fork from it
+        self._hold: set[int] = set()  # requests whose blocks outlive them, until `release`
 
     # ------------------------------------------------------------------ requests
 
@@ -136,12 +140,14 @@ class Engine:
         return request_id
 
     def add_requests(self, prompt, configs: list[SamplingConfig], *, arrival_time: float | None = None,
-                     top_logprobs: int | None = None, prompt_top_logprobs: int | None = None) -> list[int]:
+                     top_logprobs: int | None = None, prompt_top_logprobs: int | None = None,
+                     hold: bool = False) -> list[int]:
         """Queue one request per config over the same prompt (a server's n choices); returns their ids.
 
         The prompt is computed once: the first request prefills it and the others fork its blocks when it
         draws its first token (see the module docstring). Requests that score their prompt
-        (prompt_top_logprobs) each compute it. All are checked before any is queued.
+        (prompt_top_logprobs) each compute it. All are checked before any is queued. hold: each keeps its
+        blocks once finished, for `continue_request`, until `release`.
         """
         if hasattr(prompt, "__len__") and len(prompt) == 0:
             raise ValueError("the prompt is empty: give it at least one token")
@@ -155,6 +161,8 @@ class Engine:
         for request in requests:
             request.id, self._next_id = self._next_id, self._next_id + 1
             self.requests[request.id] = request
+            if hold:
+                self._hold.add(request.id)
         running = [r for r in requests if not r.finished]
         for request in requests:
             if request.finished:  # max_new_tokens == 0: nothing to compute, one event to report it (as `generate` does)
@@ -168,6 +176,25 @@ class Engine:
             for request in running:
                 self.scheduler.add(request)
         return [r.id for r in requests]
+
+    def continue_request(self, parent_id: int, token: int, config: SamplingConfig, *, top_logprobs: int | None = None,
+                         hold: bool = False) -> int:
+        """A new request whose prompt is a finished, held request's computed tokens and then `token`: it forks the
+        parent's blocks (shared, copied only where it writes) and feeds just `token` before drawing its own."""
+        parent = self._request(parent_id)
+        if not (parent.finished and parent_id in self._hold and parent_id in self.manager):
+            raise ValueError(f"request {parent_id} cannot be continued: only a finished request added with hold=True "
+                             f"and not yet released keeps the blocks to fork")
+        check_prompts([[token]], self.model.config.context_length, self.model.config.vocab_size)
+        request = self._checked_request(parent.tokens[:parent.computed] + [token], config, None, top_logprobs, None)
+        request.id, self._next_id = self._next_id, self._next_id + 1
+        self.requests[request.id] = request
+        if hold:
+            self._hold.add(request.id)
+        self.manager.fork(parent_id, request.id)
+        request.computed = parent.computed
+        self.scheduler.adopt(request)
+        return request.id
 
     def _checked_request(self, prompt_ids: list[int], config: SamplingConfig, arrival_time, top_logprobs,
                          prompt_top_logprobs) -> Sequence:
@@ -224,7 +251,15 @@ class Engine:
             raise ValueError(f"request {request_id} is still running: abort it first, or release it once it "
                              f"has finished")
         del self.requests[request_id]
+        if request_id in self._hold:  # its blocks outlived it: they go now
+            self._hold.discard(request_id)
+            if request_id in self.manager:
+                self.manager.free(request_id)
         return request.output()
+
+    def holds(self, request_id) -> bool:
+        """Whether the request keeps its blocks once finished (added with hold=True), until released."""
+        return request_id in self._hold
 
     def has_unfinished(self) -> bool:
         """Whether `step()` has anything left to do or report."""
@@ -285,7 +320,7 @@ class Engine:
             request.append(token)
             events.append(request.event([token]))
             if request.finished:
-                self.scheduler.remove(request)
+                self.scheduler.remove(request, keep_blocks=request.id in self._hold)
         self._record(start, plan, decode_tokens, len(copies))
         return events
 

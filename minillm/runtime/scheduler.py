@@ -79,11 +79,13 @@ class Scheduler:
             request.computed = 0
             self.waiting.appendleft(request)
 
-    def remove(self, request) -> None:
-        """Take a request out of the queues (finished or aborted) and free its blocks."""
+    def remove(self, request, keep_blocks: bool = False) -> None:
+        """Take a request out of the queues (finished or aborted) and free its blocks, unless `keep_blocks` (a
+        request others will fork from: `Engine.continue_request`)."""
         if request in self.running:
             self.running.remove(request)
-            self.manager.free(request.id)
+            if not keep_blocks:
+                self.manager.free(request.id)
         elif request in self.waiting:
             self.waiting.remove(request)
 

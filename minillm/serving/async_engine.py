@@ -127,12 +127,19 @@ class AsyncEngine:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         return await self._call(lambda: self._add(prompts, configs, request_options, loop, events))
 
+    async def continue_from(self, parents: list[int], tokens: list[int], config, **request_options) -> Submitted:
+        """One request per (finished, held parent, token): `Engine.continue_request`'s, all or none. Its
+        request_options: top_logprobs, hold."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        return await self._call(lambda: self._continue(parents, tokens, config, request_options, loop, events))
+
     async def call(self, fn):
         """Run `fn(engine)` on the engine thread between two steps and return its result (for reading counters)."""
         return await self._call(lambda: fn(self.engine))
 
     def abort(self, ids) -> None:
-        """Stop these requests and free their blocks; ids that already finished are skipped.
+        """Stop these requests and free their blocks; ids that already finished are released (a held one's
+        blocks go then), ids already released skipped.
 
         Does not wait: it is called from `finally` blocks while a handler is being
         cancelled (a client disconnected), where nothing may be awaited.
@@ -158,10 +165,28 @@ class AsyncEngine:
         if waiting + len(prompts) > self.max_waiting:
             raise QueueFull(f"{waiting} requests are already waiting (the limit is {self.max_waiting}): "
                             f"retry in a moment")
-        ids = []
-        try:
+        def add(ids):
             for prompt, group in groupby(zip(prompts, configs), key=lambda pair: pair[0]):  # n choices: one prompt
                 ids += self.engine.add_requests(prompt, [config for _, config in group], **request_options)
+
+        return self._routed(add, loop, events)
+
+    def _continue(self, parents, tokens, config, request_options, loop, events) -> Submitted:
+        if self.broken is not None:
+            raise self.broken
+
+        def add(ids):
+            for parent, token in zip(parents, tokens):
+                ids.append(self.engine.continue_request(parent, token, config, **request_options))
+
+        return self._routed(add, loop, events)
+
+    def _routed(self, add, loop, events) -> Submitted:
+        """`add(ids)` adds requests, appending their ids: all of them or none (a failure aborts those added);
+        their events go to `events` on `loop`."""
+        ids = []
+        try:
+            add(ids)
         except Exception:
             self._abort(ids)
             raise
@@ -227,7 +252,8 @@ class AsyncEngine:
         if route is None:  # aborted in this step's commands
             return
         if event.finish_reason is not None:
-            self._release(event.row)
+            if not self.engine.holds(event.row):  # a held one is released by whoever forks from it (`abort`)
+                self._release(event.row)
             del self._routes[event.row]
         hand_over(route, event)
 
