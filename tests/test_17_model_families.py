@@ -310,8 +310,8 @@ def test_a_mixture_of_experts_serves_through_the_engine_and_counts_each_experts_
     assert all(int(layer.load.sum()) == 2 * fed for layer in moe_layers)  # two experts per token fed
 
 
-def test_a_mixture_of_experts_refuses_a_graph_quantization_and_a_split_in_one_line():
-    from minillm.parallel.shard import check_split
+def test_a_mixture_of_experts_refuses_a_graph_and_a_quantization_in_one_line():
+    """(It splits over ranks: tests/test_20_parallelism.py.)"""
     from minillm.speed.compile import CompiledModel
     from minillm.speed.quant_gguf import apply_quantization
 
@@ -320,8 +320,6 @@ def test_a_mixture_of_experts_refuses_a_graph_quantization_and_a_split_in_one_li
         CompiledModel(model)
     with pytest.raises(ValueError, match=r"^--quant int8: the quantized kernels cover linear layers"):
         apply_quantization(model, "int8", "unused")
-    with pytest.raises(ValueError, match=r"^--tp 2: a mixture of experts does not split yet"):
-        check_split(model.config, 2)
     assert generate(model, [[1, 2, 3]], max_new_tokens=2, compile=None).stats.extra.get("graph", "eager") == "eager"
 
 

@@ -71,7 +71,8 @@ def rank_run(group, whole: Transformer, out: str) -> None:
                 "parameters": sum(p.numel() for p in model.parameters())}, f"{out}/rank{group.rank}.pt")
 
 
-@pytest.mark.parametrize("kind, world", [("llama", 2), ("gpt2", 2), ("gemma3", 4), ("6/3 heads", 3)])
+@pytest.mark.parametrize("kind, world", [("llama", 2), ("gpt2", 2), ("gemma3", 4), ("6/3 heads", 3), ("qwen3_moe", 2),
+                                         ("gpt_oss", 2)])
 def test_sharded_ranks_compute_what_one_process_does(kind, world, tmp_path):
     whole = build(kind)
     logits, tokens = prompt_logits(whole), greedy_tokens(whole)
@@ -118,6 +119,12 @@ def test_a_split_the_shapes_do_not_allow_is_refused_in_one_line():
     check_split(ModelConfig(n_head=4, n_kv_head=1, d_model=640, head_dim=256, d_ff=2048), 2)  # Gemma 3 270M: repeat
     with pytest.raises(ValueError, match=r"MLP's 100 hidden units"):
         check_split(ModelConfig(n_head=8, d_model=64, d_ff=100), 8)
+    experts = dict(n_head=4, n_kv_head=2, d_model=32, d_ff=64, num_experts=4, experts_per_token=2)
+    with pytest.raises(ValueError, match=r"^--tp 4 does not divide each expert's 30 hidden units: use a divisor of "
+                                         r"30$"):
+        check_split(ModelConfig(**experts, moe_ff=30), 4)
+    with pytest.raises(ValueError, match=r"^--tp 4 does not divide the shared experts' 6 hidden units"):
+        check_split(ModelConfig(**experts, moe_ff=32, shared_ff=6), 4)
 
 
 # ------------------------------------------------------------------ the command line, on the real models

@@ -9,6 +9,11 @@ pair's end (Shoeybi et al., 2019, "Megatron-LM"):
                rank's product is a partial sum of the output: one all-reduce adds them.
     MLP        gate/up column-parallel (rank r holds hidden units r·f/w ... (r+1)·f/w of
                both), down row-parallel over the same units: one all-reduce.
+    experts    a mixture of experts splits each expert the same way (rank r holds its share of
+               every expert's hidden units, and of the shared experts'), the router replicated:
+               every rank routes each token alike, and one all-reduce after the layer adds the
+               partial outputs (vLLM's tensor-parallel MoE; expert parallelism, whole experts on
+               ranks, is the other way).
 
 So a block costs two all-reduces of [tokens, d_model] and nothing else crosses ranks.
 The embedding is split by vocabulary (each rank looks up the tokens in its rows, zeros
@@ -96,9 +101,10 @@ def check_split(config, world: int) -> None:
     if kv % world and world % kv:
         raise ValueError(f"--tp {world}: the model's {kv} key/value heads neither split evenly over {world} ranks nor "
                          f"repeat evenly on them: use a divisor or a multiple of {kv} that divides {config.n_head}")
-    if config.num_experts and world > 1:
-        raise ValueError(f"--tp {world}: a mixture of experts does not split yet (its experts would go to ranks "
-                         f"whole, expert parallelism): run it in one process")
+    for what, units in (("each expert's", config.moe_ff or config.ff_size if config.num_experts else 0),
+                        ("the shared experts'", config.shared_ff)):
+        if units % world:
+            raise ValueError(f"--tp {world} does not divide {what} {units} hidden units: use a divisor of {units}")
     if config.kv_lora_rank and world > 1:
         raise ValueError(f"--tp {world}: latent attention does not split yet (each rank would need the whole latent "
                          f"and its share of the up-projections): run it in one process")
@@ -189,6 +195,8 @@ def shard_attention(attn, split: Split, head_dim: int) -> None:
     columns = proj.weight[:, q.start * head_dim: q.stop * head_dim].clone()
     attn.proj = RowParallelLinear(plain_linear(columns, None), None if proj.bias is None else proj.bias.clone())
     attn.n_head, attn.n_kv_head = len(q), len(kv)
+    if attn.sinks is not None:  # gpt-oss: each head's sink goes with the head
+        attn.sinks = nn.Parameter(attn.sinks[q.start:q.stop].clone(), requires_grad=False)
 
 
 def shard_mlp(mlp, split: Split) -> None:
@@ -199,6 +207,45 @@ def shard_mlp(mlp, split: Split) -> None:
     proj = mlp.proj
     mlp.proj = RowParallelLinear(plain_linear(proj.weight[:, units.start: units.stop].clone(), None),
                                  None if proj.bias is None else proj.bias.clone())
+
+
+class ReducedExperts(nn.Module):
+    """A mixture of experts over this rank's share of each expert's hidden units: its output is a partial sum, which
+    one all-reduce completes (the row-parallel half of every expert at once)."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.moe(x)
+        dist.all_reduce(y)
+        return y
+
+
+def shard_experts(moe, rank: int, world: int):
+    """Keep rank `rank`'s share of every expert's hidden units (and of the shared experts'): gate/up rows and down
+    columns, as `shard_mlp` keeps a dense MLP's; the down biases on rank 0 alone, since the all-reduce adds every
+    rank's output. Returns the layer behind the all-reduce."""
+    def share(units: int) -> range:
+        return range(rank * units // world, (rank + 1) * units // world)
+
+    ff = moe.gate_up.shape[1] // 2
+    mine = share(ff)
+    rows = torch.cat((torch.arange(mine.start, mine.stop), torch.arange(ff + mine.start, ff + mine.stop)))
+    moe.gate_up = nn.Parameter(moe.gate_up[:, rows].clone(), requires_grad=False)  # gates, then ups
+    moe.down = nn.Parameter(moe.down[:, :, mine.start:mine.stop].clone(), requires_grad=False)
+    if moe.gate_up_bias is not None:
+        moe.gate_up_bias = nn.Parameter(moe.gate_up_bias[:, rows].clone(), requires_grad=False)
+        moe.down_bias = nn.Parameter(moe.down_bias.clone() if rank == 0 else torch.zeros_like(moe.down_bias),
+                                     requires_grad=False)
+    if moe.shared_fc is not None:
+        shared_ff = moe.shared_proj.in_features
+        units = share(shared_ff)
+        moe.shared_fc = plain_linear(rows_of(moe.shared_fc.weight, [units, range(shared_ff + units.start,
+                                                                                  shared_ff + units.stop)], 1), None)
+        moe.shared_proj = plain_linear(moe.shared_proj.weight[:, units.start:units.stop].clone(), None)
+    return ReducedExperts(moe)
 
 
 def shard_vocab(model, split: Split) -> None:
@@ -232,15 +279,19 @@ def shard_model(model, rank: int, world: int):
     split = split_for(config, rank, world)
     if world == 1:
         return model
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
         shard_attention(block.attn, split, config.head_size)
-        shard_mlp(block.mlp, split)
+        if config.is_moe(i):
+            block.mlp = shard_experts(block.mlp, rank, world)
+        else:
+            shard_mlp(block.mlp, split)
     shard_vocab(model, split)
     model.config = replace(config, n_head=len(split.query_heads()), n_kv_head=len(split.key_value_heads()),
-                           head_dim=config.head_size, d_ff=len(split.hidden_units()))
+                           head_dim=config.head_size, d_ff=len(split.hidden_units()),
+                           moe_ff=config.moe_ff and config.moe_ff // world, shared_ff=config.shared_ff // world)
     model.split = split
     return model
 
 
-__all__ = ["GatheredLMHead", "RowParallelLinear", "Split", "VocabParallelEmbedding", "check_split", "shard_model",
-           "split_for"]
+__all__ = ["GatheredLMHead", "ReducedExperts", "RowParallelLinear", "Split", "VocabParallelEmbedding", "check_split",
+           "shard_experts", "shard_model", "split_for"]
