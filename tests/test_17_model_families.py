@@ -477,9 +477,8 @@ def test_deepseek_routes_by_sigmoid_within_the_best_groups_and_adds_its_shared_e
         torch.testing.assert_close(moe(h[None])[0], torch.stack(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_latent_attention_refuses_a_graph_quantization_and_a_split_in_one_line():
-    """A dense model with latent attention (no experts to refuse first)."""
-    from minillm.parallel.shard import check_split
+def test_latent_attention_refuses_a_graph_and_a_quantization_in_one_line():
+    """A dense model with latent attention (no experts to refuse first). (It splits over ranks: test_20.)"""
     from minillm.speed.compile import CompiledModel
     from minillm.speed.quant_gguf import apply_quantization
 
@@ -489,8 +488,6 @@ def test_latent_attention_refuses_a_graph_quantization_and_a_split_in_one_line()
         CompiledModel(model)
     with pytest.raises(ValueError, match=r"^--quant int8: latent attention reads its up-projection"):
         apply_quantization(model, "int8", "unused")
-    with pytest.raises(ValueError, match=r"^--tp 2: latent attention does not split yet"):
-        check_split(model.config, 2)
 
 
 def test_mxfp4_experts_hold_lesson_14s_blocks_and_run_as_their_decoded_values():

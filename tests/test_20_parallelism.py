@@ -72,7 +72,7 @@ def rank_run(group, whole: Transformer, out: str) -> None:
 
 
 @pytest.mark.parametrize("kind, world", [("llama", 2), ("gpt2", 2), ("gemma3", 4), ("6/3 heads", 3), ("qwen3_moe", 2),
-                                         ("gpt_oss", 2)])
+                                         ("gpt_oss", 2), ("deepseek_v3", 2)])
 def test_sharded_ranks_compute_what_one_process_does(kind, world, tmp_path):
     whole = build(kind)
     logits, tokens = prompt_logits(whole), greedy_tokens(whole)

@@ -21,6 +21,10 @@ for the rest, and an all-reduce adds the one non-zero row); the LM head too (eac
 scores its rows; an all-gather joins the logits, so every rank holds all of them and
 picks the same next token). Norms, RoPE and biases after a sum are replicated.
 
+Latent attention (DeepSeek-V3) splits by heads too: the query's and the latent's up-projections
+column-parallel (each rank's heads' rows), the output projection row-parallel; the latent itself
+and its down-projection are every head's, so every rank computes and caches it whole.
+
 Grouped-query attention: with as many key/value heads as ranks or more, they split like
 the query heads; with fewer (Gemma 3 270M: one over two ranks) each rank keeps a copy of
 the key/value head its query heads read, and caches it: the cache then repeats on every
@@ -98,16 +102,13 @@ def check_split(config, world: int) -> None:
     if config.n_head % world:
         raise ValueError(f"--tp {world} does not divide the model's {config.n_head} attention heads: use a divisor of "
                          f"{config.n_head} ({', '.join(str(d) for d in divisors(config.n_head))})")
-    if kv % world and world % kv:
+    if kv % world and world % kv and not config.kv_lora_rank:  # latent attention caches one latent for all heads
         raise ValueError(f"--tp {world}: the model's {kv} key/value heads neither split evenly over {world} ranks nor "
                          f"repeat evenly on them: use a divisor or a multiple of {kv} that divides {config.n_head}")
     for what, units in (("each expert's", config.moe_ff or config.ff_size if config.num_experts else 0),
                         ("the shared experts'", config.shared_ff)):
         if units % world:
             raise ValueError(f"--tp {world} does not divide {what} {units} hidden units: use a divisor of {units}")
-    if config.kv_lora_rank and world > 1:
-        raise ValueError(f"--tp {world}: latent attention does not split yet (each rank would need the whole latent "
-                         f"and its share of the up-projections): run it in one process")
     if config.ff_size % world:
         raise ValueError(f"--tp {world} does not divide the MLP's {config.ff_size} hidden units")
 
@@ -199,6 +200,18 @@ def shard_attention(attn, split: Split, head_dim: int) -> None:
         attn.sinks = nn.Parameter(attn.sinks[q.start:q.stop].clone(), requires_grad=False)
 
 
+def shard_latent_attention(attn, split: Split) -> None:
+    """Latent attention's heads split (see the module docstring): q_up's and kv_up's rows of this rank's heads,
+    proj's columns for them; the latent's down-projection and norm stay whole."""
+    heads = split.query_heads()
+    attn.q_up = plain_linear(rows_of(attn.q_up.weight, [heads], attn.nope_dim + attn.rope_dim), None)
+    attn.kv_up = plain_linear(rows_of(attn.kv_up.weight, [heads], attn.nope_dim + attn.v_dim), None)
+    proj = attn.proj
+    columns = proj.weight[:, heads.start * attn.v_dim: heads.stop * attn.v_dim].clone()
+    attn.proj = RowParallelLinear(plain_linear(columns, None), None if proj.bias is None else proj.bias.clone())
+    attn.n_head = len(heads)
+
+
 def shard_mlp(mlp, split: Split) -> None:
     units, hidden = split.hidden_units(), split.hidden
     fc = mlp.fc
@@ -280,7 +293,10 @@ def shard_model(model, rank: int, world: int):
     if world == 1:
         return model
     for i, block in enumerate(model.blocks):
-        shard_attention(block.attn, split, config.head_size)
+        if config.kv_lora_rank:
+            shard_latent_attention(block.attn, split)
+        else:
+            shard_attention(block.attn, split, config.head_size)
         if config.is_moe(i):
             block.mlp = shard_experts(block.mlp, rank, world)
         else:
