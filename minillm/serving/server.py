@@ -21,7 +21,9 @@ Any OpenAI client works unchanged (`OpenAI(base_url="http://127.0.0.1:8000/v1", 
 Streaming is server-sent events: `data: {json}` chunks as tokens become final text, a
 usage chunk when `stream_options.include_usage` asks for it, then `data: [DONE]`. With
 `logprobs`, each chunk carries the logprobs of the tokens it carries; with `echo`, the
-first chunk of a choice begins with its prompt.
+first chunk of a choice begins with its prompt. `n` choices share their prompt's blocks
+(computed once); `use_beam_search` (vLLM's extra) returns the n best beams instead, not
+streamed (`minillm.serving.beams`).
 
 What keeps one bad client from hurting the others: every request body is checked
 before any model work, and a bad one is answered with OpenAI's JSON error and a 4xx
