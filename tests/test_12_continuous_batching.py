@@ -20,7 +20,8 @@ from minillm.cache.blocks import BlockManager
 from minillm.cache.paged import PackedSequences, PagedKVCache, packed_attention, paged_attention, slot_mapping
 from minillm.decoding.sampling import SamplingConfig
 from minillm.decoding.settings import SamplingError
-from minillm.runtime.engine import Engine, generate_continuous
+from minillm.runtime.continuous import generate_continuous
+from minillm.runtime.engine import Engine
 from minillm.strategies.generate import generate
 
 GREEDY = SamplingConfig(max_new_tokens=16, eos_token_id=())

@@ -465,7 +465,8 @@ def test_the_engine_decodes_through_one_kept_paged_graph_with_the_eager_tokens(t
     """One package (rows, blocks and pool size symbolic) runs every step in which each request decodes: one
     request and three, keys in one block and in many; the tokens equal the eager engine's, greedy and sampled."""
     from minillm.decoding.sampling import SamplingConfig
-    from minillm.runtime.engine import Engine, generate_continuous
+    from minillm.runtime.continuous import generate_continuous
+    from minillm.runtime.engine import Engine
 
     monkeypatch.setenv("MINILLM_HOME", str(tmp_path))
     _, model = tiny_pair("llama", context_length=256)
@@ -493,7 +494,7 @@ def test_a_quantized_model_runs_its_kernels_inside_the_kept_graphs(tmp_path, mon
     """`--quant` with `--compile`, on the CLI's path and the server's: the int4 kernel (every block's linears) and
     the int8 kernel (the LM head, as the GGUF's Q8_0 head becomes) traced into the static decode graph and into the
     engine's paged step; each decodes the same tokens as the same quantized model run eagerly."""
-    from minillm.runtime.engine import generate_continuous
+    from minillm.runtime.continuous import generate_continuous
     from minillm.speed.quant import Int4WeightLinear, Int8WeightLinear
     from minillm.speed.quantize_model import quantize_model, quantized_modules
 

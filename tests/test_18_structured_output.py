@@ -29,7 +29,7 @@ from minillm.decoding.regex import parse_regex, regex_dfa
 from minillm.decoding.sampling import SamplingConfig, SamplingError
 from minillm.decoding.structured import Constraint, TokenIndex, Vocabulary, token_index
 from minillm.model.tiny import tiny_pair
-from minillm.runtime.engine import generate_continuous
+from minillm.runtime.continuous import generate_continuous
 from minillm.serving.launch import BackgroundServer
 from minillm.strategies.generate import generate
 

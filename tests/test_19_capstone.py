@@ -22,7 +22,7 @@ import torch
 from minillm.cache.kv_cache import DynamicCache
 from minillm.decoding.sampling import SamplingConfig, process_logits
 from minillm.model.tiny import tiny_pair
-from minillm.runtime.engine import generate_continuous
+from minillm.runtime.continuous import generate_continuous
 from minillm.strategies.generate import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons" / "19-capstone"))

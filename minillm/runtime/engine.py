@@ -54,8 +54,6 @@ from ..cache.blocks import BlockManager, blocks_for
 from ..cache.paged import PackedSequences
 from ..decoding.outputs import (
     GenerationEvent,
-    GenerationOutput,
-    GenerationStats,
     RowOutput,
     check_prompts,
     encode_prompts,
@@ -159,10 +157,7 @@ class Engine:
         requests = [self._checked_request(prompt_ids, config, arrival_time, top_logprobs, prompt_top_logprobs)
                     for config in configs]
         for request in requests:
-            request.id, self._next_id = self._next_id, self._next_id + 1
-            self.requests[request.id] = request
-            if hold:
-                self._hold.add(request.id)
+            self._register(request, hold)
         running = [r for r in requests if not r.finished]
         for request in requests:
             if request.finished:  # max_new_tokens == 0: nothing to compute, one event to report it (as `generate` does)
@@ -187,14 +182,18 @@ class Engine:
                              f"and not yet released keeps the blocks to fork")
         check_prompts([[token]], self.model.config.context_length, self.model.config.vocab_size)
         request = self._checked_request(parent.tokens[:parent.computed] + [token], config, None, top_logprobs, None)
-        request.id, self._next_id = self._next_id, self._next_id + 1
-        self.requests[request.id] = request
-        if hold:
-            self._hold.add(request.id)
+        self._register(request, hold)
         self.manager.fork(parent_id, request.id)
         request.computed = parent.computed
         self.scheduler.adopt(request)
         return request.id
+
+    def _register(self, request: Sequence, hold: bool) -> None:
+        """Give a new request its id and keep it (and, with `hold`, its blocks once it finishes)."""
+        request.id, self._next_id = self._next_id, self._next_id + 1
+        self.requests[request.id] = request
+        if hold:
+            self._hold.add(request.id)
 
     def _checked_request(self, prompt_ids: list[int], config: SamplingConfig, arrival_time, top_logprobs,
                          prompt_top_logprobs) -> Sequence:
@@ -362,43 +361,4 @@ class Engine:
         return m.prefix_hit_tokens / m.prompt_tokens if m.prompt_tokens else 0.0
 
 
-def generate_continuous(model, prompts, config=None, *, tokenizer=None, arrivals: list[int] | None = None,
-                        engine_options: dict | None = None, streamer=None, **config_overrides) -> GenerationOutput:
-    """Run every prompt through one `Engine` and return the rows in input order (`generate`'s output).
-
-    arrivals: the step at which each prompt is added (default: all at step 0), so a test or
-    a lesson can replay any arrival order; config: one for every prompt or one per prompt.
-    """
-    rows = encode_prompts(prompts, tokenizer)
-    configs = row_configs(config, len(rows), config_overrides)
-    arrivals = [0] * len(rows) if arrivals is None else list(arrivals)
-    if len(arrivals) != len(rows) or min(arrivals, default=0) < 0:
-        raise ValueError(f"arrivals: give one step number >= 0 per prompt ({len(rows)} prompts), got {arrivals}")
-    engine = Engine(model, tokenizer, **(engine_options or {}))
-    ids: dict[int, int] = {}  # request id -> prompt index
-    order = sorted(range(len(rows)), key=lambda i: arrivals[i])
-    step, start = 0, time.perf_counter()
-    while order or engine.has_unfinished():
-        while order and arrivals[order[0]] <= step:
-            i = order.pop(0)
-            ids[engine.add_request(rows[i], configs[i])] = i
-        for event in engine.step():
-            if streamer is not None and event.text:
-                streamer.put(ids[event.row], event.text)
-        step += 1
-    if streamer is not None:
-        streamer.end()
-    outputs = [None] * len(rows)
-    for request_id, i in ids.items():
-        outputs[i] = engine.output(request_id)
-    stats = GenerationStats(prompt_tokens=sum(map(len, rows)), forward_passes=engine.forward_passes,
-                            decode_tokens=sum(max(len(o.token_ids) - 1, 0) for o in outputs),
-                            decode_seconds=time.perf_counter() - start)
-    stats.extra.update(prefix_hit_rate=engine.prefix_hit_rate,
-                       preemptions=sum(r.preemptions for r in engine.requests.values()),
-                       graph=engine.runner.graph, compiled_steps=engine.runner.compiled_steps)
-    stats.build_seconds = engine.runner.build_seconds
-    return GenerationOutput(outputs, stats)
-
-
-__all__ = ["Engine", "StepRecord", "generate_continuous", "kv_bytes_per_token"]
+__all__ = ["Engine", "StepRecord", "kv_bytes_per_token"]
