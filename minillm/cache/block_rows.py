@@ -36,8 +36,7 @@ class BlockCache(KVCache):
         self.seqs: list[int] = []  # each row's sequence in the pool
         self._next_seq = 0
         self.block_bytes = sum(pool[0, 0].numel() * pool.element_size() for pool in (self.pool.k, self.pool.v)) \
-            * n_layer  # one block, every layer, keys and values
-        self.copied_bytes = 0  # what copy-on-write copied since the cache was made
+            * n_layer  # one block, every layer, keys and values (`copied_bytes` counts copy-on-write's copies)
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, block_size: int = 16) -> "BlockCache":

@@ -49,18 +49,21 @@ def rope_settings(hf: dict, layer_type: str | None = None) -> dict:
     return rope
 
 
+def yarn_magnitude(factor: float, scale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times: 0.1·scale·ln(factor) + 1 (transformers'
+    `get_mscale`)."""
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+
 def yarn_switches(hf: dict, rope: dict) -> dict:
     """A YaRN RoPE's `ModelConfig` switches (`minillm.model.rope.yarn_inv_freq`), read as transformers reads them."""
     original = rope.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
     factor = rope.get("factor") or hf["max_position_embeddings"] / original
-
-    def magnitude(scale: float) -> float:  # YaRN's attention temperature: 0.1·scale·ln(factor) + 1
-        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
-
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention_factor = magnitude(mscale) / magnitude(all_dims) if mscale and all_dims else magnitude(1)
+        attention_factor = (yarn_magnitude(factor, mscale) / yarn_magnitude(factor, all_dims) if mscale and all_dims
+                            else yarn_magnitude(factor))
     return dict(rope_theta=float(rope["rope_theta"]), rope_yarn_factor=float(factor),
                 rope_yarn_betas=(float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)),
                 rope_yarn_truncate=bool(rope.get("truncate", True)), rope_original_max=int(original),
@@ -165,8 +168,7 @@ def deepseek_v3_config(hf: dict) -> ModelConfig:
     qk_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
     temperature = 1.0
     if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
-        factor = rope["factor"]
-        temperature = 1.0 if factor <= 1 else 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0
+        temperature = yarn_magnitude(rope["factor"], rope["mscale_all_dim"])
     dense = hf.get("first_k_dense_replace") or 0
     return llama_like(hf, head_dim=hf["qk_rope_head_dim"], qkv_bias=hf.get("attention_bias", False),
                       attn_out_bias=hf.get("attention_bias", False), kv_lora_rank=hf["kv_lora_rank"],

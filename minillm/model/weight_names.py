@@ -105,23 +105,16 @@ def reorder_fused_qkv(config: ModelConfig, interleaved: bool = False):
     return lambda t: torch.cat((qk(t[:rows]), t[rows:]))
 
 
-def llama_like_state(b: StateBuilder, config: ModelConfig, experts=None) -> None:
-    """Llama, Qwen2/3, Mistral, Gemma 2/3 (separate q/k/v and gate/up), Phi-3 (fused) and the mixtures of experts
-    built on them (`experts`: how the family stores its experts; Qwen3-MoE's by default)."""
+def llama_like_state(b: StateBuilder, config: ModelConfig, attention=None, experts=None) -> None:
+    """Llama, Qwen2/3, Mistral, Gemma 2/3 (separate q/k/v and gate/up), Phi-3 (fused) and the families built on the
+    same block: `attention` and `experts` say how a family stores its attention and its experts (by default
+    grouped-query attention, `grouped_attention_state`, and Qwen3-MoE's experts, `experts_state`)."""
     b.put("tok_emb.weight", "embed_tokens.weight")
     fused = "layers.0.self_attn.qkv_proj.weight" in b.w
     gemma = config.post_norms
     for i in range(config.n_layer):
         p, q = f"layers.{i}.", f"blocks.{i}."
-        att = p + "self_attn."
-        if fused:
-            b.put_linear(q + "attn.qkv", [att + "qkv_proj"], config.qkv_bias, reorder_fused_qkv(config))
-        else:
-            b.put_linear(q + "attn.qkv", [att + f"{x}_proj" for x in "qkv"], config.qkv_bias)
-        b.put_linear(q + "attn.proj", [att + "o_proj"], config.bias if config.attn_out_bias is None
-                     else config.attn_out_bias)
-        if config.attn_sinks:
-            b.put(q + "attn.sinks", att + "sinks")
+        (attention or grouped_attention_state)(b, config, p + "self_attn.", q + "attn.", fused)
         if config.is_moe(i):
             (experts or experts_state)(b, config, p + "mlp.", q + "mlp.")
         elif fused:
@@ -130,9 +123,6 @@ def llama_like_state(b: StateBuilder, config: ModelConfig, experts=None) -> None
             b.put(q + "mlp.fc.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         if not config.is_moe(i):
             b.put(q + "mlp.proj.weight", p + "mlp.down_proj.weight")
-        if config.qk_norm:
-            b.put(q + "attn.q_norm.weight", att + "q_norm.weight")
-            b.put(q + "attn.k_norm.weight", att + "k_norm.weight")
         b.put(q + "norm1.weight", p + "input_layernorm.weight")
         if gemma:
             b.put(q + "post_attn_norm.weight", p + "post_attention_layernorm.weight")
@@ -141,6 +131,21 @@ def llama_like_state(b: StateBuilder, config: ModelConfig, experts=None) -> None
         else:
             b.put(q + "norm2.weight", p + "post_attention_layernorm.weight")
     b.put("norm_f.weight", "norm.weight")
+
+
+def grouped_attention_state(b: StateBuilder, config: ModelConfig, att: str, q: str, fused: bool) -> None:
+    """One layer's grouped-query attention: q/k/v stacked (or Phi-3's fused, RoPE rows reordered), the output
+    projection, gpt-oss's sinks, QK-norm's weights."""
+    if fused:
+        b.put_linear(q + "qkv", [att + "qkv_proj"], config.qkv_bias, reorder_fused_qkv(config))
+    else:
+        b.put_linear(q + "qkv", [att + f"{x}_proj" for x in "qkv"], config.qkv_bias)
+    b.put_linear(q + "proj", [att + "o_proj"], config.bias if config.attn_out_bias is None else config.attn_out_bias)
+    if config.attn_sinks:
+        b.put(q + "sinks", att + "sinks")
+    if config.qk_norm:
+        b.put(q + "q_norm.weight", att + "q_norm.weight")
+        b.put(q + "k_norm.weight", att + "k_norm.weight")
 
 
 def experts_state(b: StateBuilder, config: ModelConfig, p: str, q: str) -> None:
@@ -184,10 +189,10 @@ def gpt_oss_state(b: StateBuilder, config: ModelConfig) -> None:
     llama_like_state(b, config, experts=gpt_oss_experts_state)
 
 
-def deepseek_v3_state(b: StateBuilder, config: ModelConfig) -> None:
-    """DeepSeek-V3: latent attention (`minillm.model.latent_attention`), a dense MLP in the first layers and experts
-    with shared ones after. Its RoPE pairs neighbouring dims: their rows are reordered here so
-    the rotate-half RoPE the course uses turns the same pairs (`rotary_order`): `rope_interleaved` says so."""
+def latent_attention_state(b: StateBuilder, config: ModelConfig, att: str, q: str, fused: bool) -> None:
+    """One layer's latent attention (DeepSeek-V3, `minillm.model.latent_attention`). Its RoPE pairs neighbouring
+    dims (`rope_interleaved`): their rows are reordered here so the rotate-half RoPE the course uses turns the same
+    pairs (`rotary_order`)."""
     rope, nope, latent = config.head_size, config.qk_nope_dim, config.kv_lora_rank
     order = rotary_order(rope, rope, interleaved=True) if config.rope_interleaved else None
 
@@ -197,31 +202,28 @@ def deepseek_v3_state(b: StateBuilder, config: ModelConfig) -> None:
         keep = torch.cat((torch.arange(width - rope), width - rope + order))
         return lambda t: t.reshape(-1, width, *t.shape[1:])[:, keep].reshape(t.shape)
 
-    b.put("tok_emb.weight", "embed_tokens.weight")
-    for i in range(config.n_layer):
-        p, q = f"layers.{i}.", f"blocks.{i}."
-        att = p + "self_attn."
-        if config.q_lora_rank:
-            b.put_linear(q + "attn.q_down", [att + "q_a_proj"], config.qkv_bias)
-            b.put(q + "attn.q_norm.weight", att + "q_a_layernorm.weight")
-        b.put(q + "attn.q_up.weight", att + ("q_b_proj.weight" if config.q_lora_rank else "q_proj.weight"),
-              change=rope_rows_last(nope + rope))
-        b.put_linear(q + "attn.kv_down", [att + "kv_a_proj_with_mqa"], config.qkv_bias, rope_rows_last(latent + rope))
-        b.put(q + "attn.kv_norm.weight", att + "kv_a_layernorm.weight")
-        b.put(q + "attn.kv_up.weight", att + "kv_b_proj.weight")
-        b.put_linear(q + "attn.proj", [att + "o_proj"], config.qkv_bias)
-        b.put(q + "norm1.weight", p + "input_layernorm.weight")
-        b.put(q + "norm2.weight", p + "post_attention_layernorm.weight")
-        mlp = p + "mlp."
-        if config.is_moe(i):
-            experts_state(b, config, mlp, q + "mlp.")
-            b.put(q + "mlp.score_bias", mlp + "gate.e_score_correction_bias")
-            b.put(q + "mlp.shared_fc.weight", *[mlp + f"shared_experts.{x}_proj.weight" for x in ("gate", "up")])
-            b.put(q + "mlp.shared_proj.weight", mlp + "shared_experts.down_proj.weight")
-        else:
-            b.put(q + "mlp.fc.weight", mlp + "gate_proj.weight", mlp + "up_proj.weight")
-            b.put(q + "mlp.proj.weight", mlp + "down_proj.weight")
-    b.put("norm_f.weight", "norm.weight")
+    if config.q_lora_rank:
+        b.put_linear(q + "q_down", [att + "q_a_proj"], config.qkv_bias)
+        b.put(q + "q_norm.weight", att + "q_a_layernorm.weight")
+    b.put(q + "q_up.weight", att + ("q_b_proj.weight" if config.q_lora_rank else "q_proj.weight"),
+          change=rope_rows_last(nope + rope))
+    b.put_linear(q + "kv_down", [att + "kv_a_proj_with_mqa"], config.qkv_bias, rope_rows_last(latent + rope))
+    b.put(q + "kv_norm.weight", att + "kv_a_layernorm.weight")
+    b.put(q + "kv_up.weight", att + "kv_b_proj.weight")
+    b.put_linear(q + "proj", [att + "o_proj"], config.qkv_bias)
+
+
+def deepseek_experts_state(b: StateBuilder, config: ModelConfig, p: str, q: str) -> None:
+    """DeepSeek-V3's experts: stored as Qwen3-MoE's, with the router's choice-only bias and the shared experts."""
+    experts_state(b, config, p, q)
+    b.put(q + "score_bias", p + "gate.e_score_correction_bias")
+    b.put(q + "shared_fc.weight", *[p + f"shared_experts.{x}_proj.weight" for x in ("gate", "up")])
+    b.put(q + "shared_proj.weight", p + "shared_experts.down_proj.weight")
+
+
+def deepseek_v3_state(b: StateBuilder, config: ModelConfig) -> None:
+    """DeepSeek-V3: Llama's block with latent attention, a dense MLP in the first layers and experts after."""
+    llama_like_state(b, config, attention=latent_attention_state, experts=deepseek_experts_state)
 
 
 def gpt2_state(b: StateBuilder, config: ModelConfig) -> None:
