@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -102,9 +103,7 @@ class OpenAIServer:
 
     async def submit(self, body: SamplingParameters, prompts: list[list[int]], tools: Tools | None = None) -> Choices:
         """Check everything, then add one engine request per (prompt, choice): all of them or none."""
-        if body.model is not None:
-            check_model_name(body.model, self.model_name)
-        refuse_unsupported(body)
+        self.check_body(body)
         options = body.logprob_options()
         scoring_only = options.get("prompt_top_logprobs") is not None and body.requested_max_tokens() == 0
         flat, configs = [], []
@@ -113,11 +112,7 @@ class OpenAIServer:
             for choice in range(body.n):
                 flat.append(prompt)
                 configs.append(sampling_config(body, 1 if scoring_only else budget, choice, tools))
-        vocab_size = self.engine.engine.model.config.vocab_size
-        try:  # before the queue: a bad token id is the client's to fix (400), whether or not the server is busy
-            check_prompts(prompts, self.max_model_len, vocab_size)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        vocab_size = self.check_prompts(prompts)
         try:
             check_logit_bias(configs[0], vocab_size)
         except SamplingError as e:
@@ -125,16 +120,25 @@ class OpenAIServer:
         echo = [self.tokenizer.decode(prompt) for prompt in flat] if getattr(body, "echo", False) else None
         if configs[0].constraint is not None:  # compiled once per schema, off the event loop; then cached
             await self.compile_constraint(configs[0].constraint)
-        try:
+        with engine_errors():
             return Choices(await self.engine.submit(flat, configs, **options), flat, sum(map(len, prompts)),
                            options["top_logprobs"] is not None, echo, scoring_only)
-        except QueueFull as e:
-            raise APIError(503, f"the server is busy: {e}", type="server_overloaded",
-                           headers={"Retry-After": "1"}) from None
-        except EngineFailed as e:  # only a lasting failure is raised here: the engine cannot step again
-            raise engine_failed(e) from None
-        except ValueError as e:  # the engine's own checks: token ids outside the vocabulary, a pool too small
-            raise APIError(400, " ".join(str(e).split())) from None
+
+    def check_body(self, body: SamplingParameters) -> None:
+        """The model asked for is this one, and no parameter the server does not implement is set (else a 4xx)."""
+        if body.model is not None:
+            check_model_name(body.model, self.model_name)
+        refuse_unsupported(body)
+
+    def check_prompts(self, prompts: list[list[int]]) -> int:
+        """Before the queue: a prompt too long or a token id outside the vocabulary is the client's to fix (400),
+        whether or not the server is busy. Returns the vocabulary's size."""
+        vocab_size = self.engine.engine.model.config.vocab_size
+        try:
+            check_prompts(prompts, self.max_model_len, vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        return vocab_size
 
     async def compile_constraint(self, constraint: tuple[str, str]) -> None:
         """Build the schema's automaton and token index now, on a worker thread (the engine's requests find it
@@ -216,25 +220,14 @@ class OpenAIServer:
 
     async def beam_answer(self, body, prompts: list[list[int]], kind: str) -> dict:
         """`use_beam_search`: each prompt's n best beams, prompt after prompt (`minillm.serving.beams`)."""
-        if body.model is not None:
-            check_model_name(body.model, self.model_name)
-        refuse_unsupported(body)
-        vocab_size = self.engine.engine.model.config.vocab_size
-        try:
-            check_prompts(prompts, self.max_model_len, vocab_size)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        self.check_body(body)
+        vocab_size = self.check_prompts(prompts)
         deadline = asyncio.get_running_loop().time() + self.request_timeout
         answers, completion_tokens = [], 0
         for prompt in prompts:
             settings = beam_settings(body, max_new_tokens(body, len(prompt), self.max_model_len), self.tokenizer)
-            try:
+            with engine_errors():
                 out = await beam_search(self.engine, prompt, settings, vocab_size, self.tokenizer, deadline)
-            except QueueFull as e:
-                raise APIError(503, f"the server is busy: {e}", type="server_overloaded",
-                               headers={"Retry-After": "1"}) from None
-            except EngineFailed as e:
-                raise engine_failed(e) from None
             for row in out.rows:
                 choice = completion_choice if kind == "text_completion" else chat_choice
                 answers.append(choice(len(answers), row.text, row.finish_reason))
@@ -352,6 +345,21 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     app.state.openai = server  # `python -m minillm.serve`'s SIGTERM handler stops its compiles
     return app
+
+
+@contextmanager
+def engine_errors():
+    """What handing requests to the engine raises, as the client sees it: a full queue is 503 with Retry-After, a
+    lasting engine failure 503 (`engine_failed`), the engine's own checks (a pool too small) 400."""
+    try:
+        yield
+    except QueueFull as e:
+        raise APIError(503, f"the server is busy: {e}", type="server_overloaded", headers={"Retry-After": "1"}) \
+            from None
+    except EngineFailed as e:  # only a lasting failure is raised here: the engine cannot step again
+        raise engine_failed(e) from None
+    except ValueError as e:  # the engine's own checks: token ids outside the vocabulary, a pool too small
+        raise APIError(400, " ".join(str(e).split())) from None
 
 
 def engine_failed(error: EngineFailed) -> APIError:
