@@ -81,7 +81,11 @@ class Split:
         return range(self.rank * per, (self.rank + 1) * per)
 
     def hidden_units(self) -> range:
-        per = self.hidden // self.world
+        return self.share(self.hidden)
+
+    def share(self, units: int) -> range:
+        """This rank's share of `units` hidden units (a dense MLP's, or each expert's)."""
+        per = units // self.world
         return range(self.rank * per, (self.rank + 1) * per)
 
     @property
@@ -212,14 +216,23 @@ def shard_latent_attention(attn, split: Split) -> None:
     attn.n_head = len(heads)
 
 
+def gated_blocks(units: range, hidden: int) -> list[range]:
+    """The rows of `units` in a gate/up matrix stacked [gate; up] over `hidden` units: theirs in both halves."""
+    return [units, range(hidden + units.start, hidden + units.stop)]
+
+
+def column_row_pair(fc: nn.Linear, proj: nn.Linear, units: range, hidden: int, gated: bool):
+    """Megatron's pair over this rank's `units` of `hidden`: fc's rows for them (gate's and up's when gated) and
+    proj's columns, bias-free (a bias after the sum is the caller's)."""
+    blocks = gated_blocks(units, hidden) if gated else [units]
+    return (plain_linear(rows_of(fc.weight, blocks, 1), None if fc.bias is None else rows_of(fc.bias, blocks, 1)),
+            plain_linear(proj.weight[:, units.start: units.stop].clone(), None))
+
+
 def shard_mlp(mlp, split: Split) -> None:
-    units, hidden = split.hidden_units(), split.hidden
-    fc = mlp.fc
-    blocks = [units, range(hidden + units.start, hidden + units.stop)] if mlp.gated else [units]  # gate and up
-    mlp.fc = plain_linear(rows_of(fc.weight, blocks, 1), None if fc.bias is None else rows_of(fc.bias, blocks, 1))
-    proj = mlp.proj
-    mlp.proj = RowParallelLinear(plain_linear(proj.weight[:, units.start: units.stop].clone(), None),
-                                 None if proj.bias is None else proj.bias.clone())
+    bias = mlp.proj.bias
+    mlp.fc, columns = column_row_pair(mlp.fc, mlp.proj, split.hidden_units(), split.hidden, mlp.gated)
+    mlp.proj = RowParallelLinear(columns, None if bias is None else bias.clone())
 
 
 class ReducedExperts(nn.Module):
@@ -236,28 +249,23 @@ class ReducedExperts(nn.Module):
         return y
 
 
-def shard_experts(moe, rank: int, world: int):
-    """Keep rank `rank`'s share of every expert's hidden units (and of the shared experts'): gate/up rows and down
+def shard_experts(moe, split: Split):
+    """Keep this rank's share of every expert's hidden units (and of the shared experts'): gate/up rows and down
     columns, as `shard_mlp` keeps a dense MLP's; the down biases on rank 0 alone, since the all-reduce adds every
     rank's output. Returns the layer behind the all-reduce."""
-    def share(units: int) -> range:
-        return range(rank * units // world, (rank + 1) * units // world)
-
     ff = moe.gate_up.shape[1] // 2
-    mine = share(ff)
-    rows = torch.cat((torch.arange(mine.start, mine.stop), torch.arange(ff + mine.start, ff + mine.stop)))
+    mine = split.share(ff)
+    rows = torch.cat([torch.arange(r.start, r.stop) for r in gated_blocks(mine, ff)])
     moe.gate_up = nn.Parameter(moe.gate_up[:, rows].clone(), requires_grad=False)  # gates, then ups
     moe.down = nn.Parameter(moe.down[:, :, mine.start:mine.stop].clone(), requires_grad=False)
     if moe.gate_up_bias is not None:
         moe.gate_up_bias = nn.Parameter(moe.gate_up_bias[:, rows].clone(), requires_grad=False)
-        moe.down_bias = nn.Parameter(moe.down_bias.clone() if rank == 0 else torch.zeros_like(moe.down_bias),
+        moe.down_bias = nn.Parameter(moe.down_bias.clone() if split.rank == 0 else torch.zeros_like(moe.down_bias),
                                      requires_grad=False)
     if moe.shared_fc is not None:
         shared_ff = moe.shared_proj.in_features
-        units = share(shared_ff)
-        moe.shared_fc = plain_linear(rows_of(moe.shared_fc.weight, [units, range(shared_ff + units.start,
-                                                                                  shared_ff + units.stop)], 1), None)
-        moe.shared_proj = plain_linear(moe.shared_proj.weight[:, units.start:units.stop].clone(), None)
+        moe.shared_fc, moe.shared_proj = column_row_pair(moe.shared_fc, moe.shared_proj, split.share(shared_ff),
+                                                         shared_ff, gated=True)
     return ReducedExperts(moe)
 
 
@@ -298,7 +306,7 @@ def shard_model(model, rank: int, world: int):
         else:
             shard_attention(block.attn, split, config.head_size)
         if config.is_moe(i):
-            block.mlp = shard_experts(block.mlp, rank, world)
+            block.mlp = shard_experts(block.mlp, split)
         else:
             shard_mlp(block.mlp, split)
     shard_vocab(model, split)

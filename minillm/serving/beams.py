@@ -85,8 +85,7 @@ async def beam_search(engine: AsyncEngine, prompt: list[int], settings: BeamSett
                 break
     finally:
         engine.abort(held)
-    config = SamplingConfig(max_new_tokens=settings.max_new_tokens, eos_token_id=tuple(settings.eos))
-    return beam_output([search], settings.num_beams, settings.eos, config, tokenizer, GenerationStats())
+    return beam_output([search], settings.num_beams, settings, tokenizer, GenerationStats())
 
 
 async def next_token_logprobs(engine: AsyncEngine, submitted: Submitted) -> list[list[tuple[int, float]]]:

@@ -177,8 +177,7 @@ def advance(searches: list[PromptSearch], log_probs: torch.Tensor, n_new: int,
         search.finished = sorted(search.finished, key=lambda f: -f[0])[:num_beams]  # stable: older first on ties
         search.beams = [search.beams[beam_of[r]] + [token_of[r]] for r in ranks]
         search.scores = next_scores[a]
-        search.done = _is_done(search, num_beams, n_new, settings.max_new_tokens, settings.length_penalty,
-                               settings.early_stopping)
+        search.done = _is_done(search, n_new, settings)
         if not search.done:
             sources += [a * num_beams + beam_of[r] for r in ranks]
             next_tokens += [token_of[r] for r in ranks]
@@ -244,26 +243,27 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     cache_state = runner.session.cache  # None without a cache
     stats.extra.update(num_beams=num_beams,  # decode_tokens counts beam rows forwarded after the first step
                        cache_copied_bytes=cache_state.copied_bytes if cache_state is not None else 0)
-    return beam_output(searches, num_return_sequences, eos, config, tokenizer, stats)
+    return beam_output(searches, num_return_sequences, settings, tokenizer, stats)
 
 
-def _is_done(search: PromptSearch, num_beams, n_new, max_new_tokens, length_penalty, early_stopping) -> bool:
+def _is_done(search: PromptSearch, n_new: int, settings: BeamSettings) -> bool:
     """Can this prompt's finished set still change? (transformers' early-stopping rules)"""
-    if len(search.finished) < num_beams:
+    if len(search.finished) < settings.num_beams:
         return False
-    if early_stopping is True:
+    if settings.early_stopping is True:
         return True
-    reachable = max_new_tokens if (early_stopping == "never" and length_penalty > 0) else n_new
-    best_running = (search.scores[:1] / (reachable ** length_penalty)).item()
+    penalty = settings.length_penalty
+    reachable = settings.max_new_tokens if (settings.early_stopping == "never" and penalty > 0) else n_new
+    best_running = (search.scores[:1] / (reachable ** penalty)).item()
     return not best_running > search.finished[-1][0]
 
 
-def beam_output(searches, num_return_sequences, eos, config, tokenizer, stats) -> BeamSearchOutput:
+def beam_output(searches, num_return_sequences: int, settings: BeamSettings, tokenizer, stats) -> BeamSearchOutput:
     """Each search's num_return_sequences best finished hypotheses as rows (text, finish reason), best first."""
     rows, scores = [], []
     for search in searches:
         for score, token_ids in search.finished[:num_return_sequences]:
-            state = RowState(search.prompt_ids, config.max_new_tokens, eos, (), tokenizer)
+            state = RowState(search.prompt_ids, settings.max_new_tokens, settings.eos, (), tokenizer)
             for token in token_ids:
                 state.push(token)
             rows.append(RowOutput(search.prompt_ids, token_ids, state.text, state.finish_reason))
