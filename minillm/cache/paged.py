@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..model.attention import attention_with_sinks
+from ..model.attention import attention_with_sinks, within_window
 from .blocks import blocks_for
 
 
@@ -96,12 +96,9 @@ class PackedSequences:
     def windowed(self, window: int) -> "PackedSequences":
         """The same step for a sliding-window layer: each query also hides the keys `window` or more positions
         behind it (a sequence's keys are gathered in position order, so key column j is position j)."""
-        def near(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:  # bool [n, num_keys]
-            return query_positions[:, None] - torch.arange(num_keys, device=query_positions.device) < window
-
-        decode_mask = self.decode_mask & near(self.positions[self.decode_queries],
-                                              self.decode_mask.shape[-1])[:, None, None]
-        chunks = [(first, end, table, causal & near(self.positions[first:end], causal.shape[1]))
+        decode_mask = self.decode_mask & within_window(self.positions[self.decode_queries], self.decode_mask.shape[-1],
+                                                       window)[:, None, None]
+        chunks = [(first, end, table, causal & within_window(self.positions[first:end], causal.shape[1], window))
                   for first, end, table, causal in self.chunks]
         return replace(self, decode_mask=decode_mask, chunks=chunks)
 

@@ -87,6 +87,12 @@ def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     return weights @ v
 
 
+def within_window(positions: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """bool [..., num_keys]: which key columns a query at each of `positions` [...] sees through a sliding window,
+    the keys less than `window` positions behind it (column j holds position j; causality is the mask's job)."""
+    return positions[..., None] - torch.arange(num_keys, device=positions.device) < window
+
+
 class SDPABackend:
     """PyTorch's `scaled_dot_product_attention`, with grouped-query heads handled here.
 
@@ -140,4 +146,4 @@ def uses_default_attention(model) -> bool:
 
 
 __all__ = ["AttentionStep", "SDPABackend", "attention_with_sinks", "causal_mask_lower_right", "set_attention_backend",
-           "uses_default_attention"]
+           "uses_default_attention", "within_window"]

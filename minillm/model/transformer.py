@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionStep, SDPABackend, causal_mask_lower_right
+from .attention import AttentionStep, SDPABackend, causal_mask_lower_right, within_window
 from .config import ModelConfig
 from .experts import MoE
 from .latent_attention import LatentAttention
@@ -70,8 +70,7 @@ class SlidingWindow:
 
     def _windowed(self, step: AttentionStep, num_keys: int) -> AttentionStep:
         positions = step.positions  # [B, T]
-        columns = torch.arange(num_keys, device=positions.device)
-        near = positions[:, :, None] - columns < self.window  # [B, T, S]
+        near = within_window(positions, num_keys, self.window)  # [B, T, S]
         mask = step.mask if step.mask is not None else causal_mask_lower_right(positions.shape[1], num_keys,
                                                                                positions.device)
         return AttentionStep(positions, mask & near)
