@@ -75,9 +75,7 @@ class Scheduler:
         if len(self.running) < self.max_num_seqs:
             self.running.append(request)
         else:
-            self.manager.free(request.id)
-            request.computed = 0
-            self.waiting.appendleft(request)
+            self._requeue(request)
 
     def remove(self, request, keep_blocks: bool = False) -> None:
         """Take a request out of the queues (finished or aborted) and free its blocks, unless `keep_blocks` (a
@@ -149,11 +147,15 @@ class Scheduler:
 
     def _preempt(self, request, step: ScheduledStep) -> None:
         self.running.remove(request)
+        self._requeue(request)
+        request.preemptions += 1
+        step.preempted.append(request)  # never one already in step.work: those are older than the victim
+
+    def _requeue(self, request) -> None:
+        """Give its blocks back and put it first in line (it came before everyone waiting), to be recomputed."""
         self.manager.free(request.id)
         request.computed = 0
-        request.preemptions += 1
-        self.waiting.appendleft(request)  # first in line again: it was admitted before everyone waiting
-        step.preempted.append(request)  # never one already in step.work: those are older than the victim
+        self.waiting.appendleft(request)
 
 
 __all__ = ["Scheduler", "ScheduledStep"]
