@@ -192,6 +192,20 @@ def test_the_template_index_texts_are_parsed_once_to_the_same_expressions():
     assert cpp_template_kernel.parse_expr_with_index_symbols is original
 
 
+def test_a_verify_picks_the_shortest_kept_verify_step_beside_the_servers_paged_one(tiny_llama):
+    """A process that ran the server keeps the engine's paged step among its packages: a verify passes over it (it
+    broke lookahead in a test worker that had served first) and pads to the shortest verify step that holds it."""
+    from minillm.speed.step_shapes import PagedShape
+
+    compiled = CompiledModel(tiny_llama[0], kept=True)
+    compiled.packages = {PagedShape(16): None, StepShape(1, 9, None, 9): None, StepShape(1, 5, 64, 5): None,
+                         StepShape(1, 1, None, 1): None}
+    assert [compiled.verify_length(1, t, 64) for t in (3, 5, 6, 9, 10)] == [5, 5, 9, 9, compiled.chunk]
+    assert compiled.verify_length(1, 3, 32) == 9  # the one kept for any cache length
+    compiled.packages = {PagedShape(16): None}
+    assert compiled.verify_length(1, 3, 64) == compiled.chunk
+
+
 def test_context_buckets_are_few_and_hold_the_run():
     assert [context_bucket(n, 8192) for n in (1, 200, 256, 257, 3000)] == [256, 256, 256, 512, 4096]
     assert context_bucket(500, 300) == 300  # never past the model's context

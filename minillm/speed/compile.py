@@ -268,9 +268,10 @@ class CompiledModel:
 
     def verify_length(self, rows: int, tokens: int, cache_len: int) -> int:
         """How many tokens one step feeds when all `tokens` need logits (verifying a draft): once prepared,
-        the shortest verify step prepared that holds them (a shorter draft is padded to it); else `chunk`."""
+        the shortest verify step prepared that holds them (a shorter draft is padded to it); else `chunk`. The
+        engine's paged step (a `PagedShape`, kept beside them once a server has run) is not a verify step."""
         if self.only_prepared:
-            fits = [s.tokens for s in self.packages if s.tokens == s.logits >= tokens > 1
+            fits = [s.tokens for s in self.packages if isinstance(s, StepShape) and s.tokens == s.logits >= tokens > 1
                     and s.batch == rows and s.cache_len in (cache_len, None)]
             if fits:
                 return min(fits)
