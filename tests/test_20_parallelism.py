@@ -250,3 +250,9 @@ def test_server_whose_rank_dies_answers_503_saying_which():
             assert "the server cannot compute: rank 2 exited (status -9)" in error.value.message
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_notebook_runs(run_notebook):
+    run_notebook("20_parallelism.ipynb", timeout=600)

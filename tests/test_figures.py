@@ -60,6 +60,7 @@ MECHANISM = {
     "17_model_families": "family-switches.png",
     "18_structured_output": "dfa-mask.png",
     "19_capstone": "engine-step.png",
+    "20_parallelism": "megatron-split.png",
 }
 
 
