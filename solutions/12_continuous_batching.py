@@ -76,16 +76,16 @@ def ridge_batch(weight_bytes: float, bytes_per_second: float, flops_per_token: f
     # and is flat (1 / per_token) after it. B* is the machine's balance (flops per byte) divided by the model's
     # arithmetic intensity at batch 1 (flops_per_token / weight_bytes: 2 flops per parameter, 4 bytes in FP32,
     # so 0.5 flop per byte). A GPU streams ~3 TB/s and multiplies at ~500 TFLOP/s (BF16): B* is in the hundreds.
-    # On the course's machine (results/batch.json, eager FP32) the batch-1 step reads at <!-- figure: decode.results.float32.weight_bytes * batch.rows.find(batch=1).minillm.decode_per_second / 1e9 | .1f -->9.9<!-- /figure --> GB/s
-    # and batch 32 multiplies at <!-- figure: decode.results.float32.weight_bytes / 2 * batch.rows.find(batch=32).minillm.decode_per_second / 1e9 | .0f -->52<!-- /figure --> GFLOP/s, so
-    # B* = <!-- figure: batch.rows.find(batch=32).minillm.decode_per_second / batch.rows.find(batch=1).minillm.decode_per_second | .1f -->10.5<!-- /figure --> (batch 32's decode rate over batch 1's), rounded up.
+    # On the course's machine (results/batch.json, eager FP32) the batch-1 step reads at <!-- figure: decode.results.float32.weight_bytes * batch.rows.find(batch=1).minillm.decode_per_second / 1e9 | .1f -->24.8<!-- /figure --> GB/s
+    # and batch 32 multiplies at <!-- figure: decode.results.float32.weight_bytes / 2 * batch.rows.find(batch=32).minillm.decode_per_second / 1e9 | .0f -->169<!-- /figure --> GFLOP/s, so
+    # B* = <!-- figure: batch.rows.find(batch=32).minillm.decode_per_second / batch.rows.find(batch=1).minillm.decode_per_second | .1f -->13.7<!-- /figure --> (batch 32's decode rate over batch 1's), rounded up.
     # That B* is a lower bound: the arithmetic rate comes from batch 32, where throughput still grows (16 -> 32:
-    # <!-- figure: batch.rows.find(batch=32).minillm.decode_per_second / batch.rows.find(batch=16).minillm.decode_per_second | .2f -->1.40<!-- /figure -->x), so the stored curve does not reach this machine's ridge.
+    # <!-- figure: batch.rows.find(batch=32).minillm.decode_per_second / batch.rows.find(batch=16).minillm.decode_per_second | .2f -->1.30<!-- /figure -->x), so the stored curve does not reach this machine's ridge.
     # A serving engine's batch limit (max_num_seqs) pays up to the ridge; beyond it a bigger batch makes every
     # request slower and the machine no faster. Real curves bend smoothly (the step is neither purely one nor the
     # other near the ridge), so the measured throughput gains less than 2x per doubling well before it: one row to
-    # two gains <!-- figure: batch.rows.find(batch=2).minillm.decode_per_second / batch.rows.find(batch=1).minillm.decode_per_second | .2f -->1.97<!-- /figure -->x, nearly the full doubling, but two to four only
-    # <!-- figure: batch.rows.find(batch=4).minillm.decode_per_second / batch.rows.find(batch=2).minillm.decode_per_second | .2f -->1.57<!-- /figure -->x and four to eight <!-- figure: batch.rows.find(batch=8).minillm.decode_per_second / batch.rows.find(batch=4).minillm.decode_per_second | .2f -->1.60<!-- /figure -->x.
+    # two gains <!-- figure: batch.rows.find(batch=2).minillm.decode_per_second / batch.rows.find(batch=1).minillm.decode_per_second | .2f -->1.90<!-- /figure -->x, nearly the full doubling, but two to four only
+    # <!-- figure: batch.rows.find(batch=4).minillm.decode_per_second / batch.rows.find(batch=2).minillm.decode_per_second | .2f -->2.06<!-- /figure -->x and four to eight <!-- figure: batch.rows.find(batch=8).minillm.decode_per_second / batch.rows.find(batch=4).minillm.decode_per_second | .2f -->1.66<!-- /figure -->x.
 
 
 def machine_from_results(rows: list[dict], weight_bytes: float, flops_per_token: float) -> tuple[float, float]:
@@ -95,8 +95,8 @@ def machine_from_results(rows: list[dict], weight_bytes: float, flops_per_token:
     flops_per_second = flops_per_token * decode[max(decode)]  # every token of the step costs flops_per_token
     return bytes_per_second, flops_per_second
     # Both are effective rates, not the hardware's peaks: the batch-1 step reads at
-    # <!-- figure: decode.results.float32.weight_bytes * batch.rows.find(batch=1).minillm.decode_per_second / 1e9 / decode.memory_bandwidth_gb_s | .0% -->27%<!-- /figure --> of the
-    # <!-- figure: decode.memory_bandwidth_gb_s | .0f -->36<!-- /figure --> GB/s the decode suite's read probe measured
+    # <!-- figure: decode.results.float32.weight_bytes * batch.rows.find(batch=1).minillm.decode_per_second / 1e9 / decode.memory_bandwidth_gb_s | .0% -->30%<!-- /figure --> of the
+    # <!-- figure: decode.memory_bandwidth_gb_s | .0f -->83<!-- /figure --> GB/s the decode suite's read probe measured
     # (the step does more than stream weights), and the arithmetic rate is what these skinny matrix products reach
     # at batch 32 on two cores, a lower bound on their peak while throughput still grows there. The ridge they
     # predict is therefore a lower bound on where this code on this machine stops gaining, which is the question a batch limit answers.

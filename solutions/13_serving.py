@@ -84,18 +84,19 @@ def p99_latency(arrival_rate: float, service_rate: float) -> float:
     # Read it as ln(100) / mu (a request's own p99 service time, 4.6 mean services) times 1 / (1 - rho), where
     # rho = lambda / mu is the utilization. At rho = 0.5 p99 doubles, at 0.9 it is ten times the idle p99: the
     # tail explodes long before the server is "full", which is why a server sheds load (503) instead of queueing
-    # forever. A batching server postpones it: in the stored load test (results/server.json) TTFT p99 moves only
-    # <!-- figure: server.rates.find(rate=2.0).ttft.p99 / server.rates.find(rate=0.5).ttft.p99 | .1f -->1.1<!-- /figure -->x from 0.5 to 2 req/s. By Little's law,
+    # forever. A batching server postpones it: in the stored load test (results/server.json) TTFT p99 goes
+    # <!-- figure: server.rates.find(rate=2.0).ttft.p99 / server.rates.find(rate=0.5).ttft.p99 | .1f -->0.3<!-- /figure -->x from 0.5 to 2 req/s (a tail of a few dozen requests: one slow first
+    # token moves it). By Little's law,
     # 2 req/s times the mean end-to-end time there is about
-    # <!-- figure: server.rates.find(rate=2.0).rate * server.rates.find(rate=2.0).e2e.mean | .0f -->10<!-- /figure --> requests in flight,
+    # <!-- figure: server.rates.find(rate=2.0).rate * server.rates.find(rate=2.0).e2e.mean | .0f -->3<!-- /figure --> requests in flight,
     # <!-- figure: "fewer" if server.rates.find(rate=2.0).rate * server.rates.find(rate=2.0).e2e.mean < 16 else "more" -->fewer<!-- /figure --> than the 16 places in the
     # batch (`--max-num-seqs 16`), so almost no request waits for one; the load shows up instead as every step
-    # carrying more rows, TPOT p50 <!-- figure: server.rates.find(rate=2.0).tpot.p50 / server.rates.find(rate=0.5).tpot.p50 | .1f -->1.4<!-- /figure -->x. At 4 req/s the same count is about
-    # <!-- figure: server.rates.find(rate=4.0).rate * server.rates.find(rate=4.0).e2e.mean | .0f -->26<!-- /figure -->,
-    # <!-- figure: "fewer" if server.rates.find(rate=4.0).rate * server.rates.find(rate=4.0).e2e.mean < 16 else "more" -->more<!-- /figure --> than 16: a request arriving while the batch is full waits in the queue for
-    # a place, so the TTFT p99 reaches <!-- figure: server.rates.find(rate=4.0).ttft.p99 / server.rates.find(rate=0.5).ttft.p99 | .1f -->11.3<!-- /figure -->x the 0.5 req/s figure while the median, most requests
-    # still finding a place at once, is <!-- figure: server.rates.find(rate=4.0).ttft.p50 / server.rates.find(rate=0.5).ttft.p50 | .1f -->1.9<!-- /figure -->x (and TPOT p50
-    # <!-- figure: server.rates.find(rate=4.0).tpot.p50 / server.rates.find(rate=0.5).tpot.p50 | .1f -->1.9<!-- /figure -->x). The end-to-end p99 is set by the long answers, not the queue.
+    # carrying more rows, TPOT p50 <!-- figure: server.rates.find(rate=2.0).tpot.p50 / server.rates.find(rate=0.5).tpot.p50 | .1f -->1.1<!-- /figure -->x. At 4 req/s the same count is about
+    # <!-- figure: server.rates.find(rate=4.0).rate * server.rates.find(rate=4.0).e2e.mean | .0f -->6<!-- /figure -->,
+    # <!-- figure: "fewer" if server.rates.find(rate=4.0).rate * server.rates.find(rate=4.0).e2e.mean < 16 else "more" -->fewer<!-- /figure --> than 16: a request that finds the batch full would wait in the queue for
+    # a place, and that wait would show in the TTFT tail first; here the TTFT p99 is <!-- figure: server.rates.find(rate=4.0).ttft.p99 / server.rates.find(rate=0.5).ttft.p99 | .1f -->0.4<!-- /figure -->x the 0.5 req/s
+    # figure and the median <!-- figure: server.rates.find(rate=4.0).ttft.p50 / server.rates.find(rate=0.5).ttft.p50 | .1f -->1.5<!-- /figure -->x (and TPOT p50
+    # <!-- figure: server.rates.find(rate=4.0).tpot.p50 / server.rates.find(rate=0.5).tpot.p50 | .1f -->1.3<!-- /figure -->x). The end-to-end p99 is set by the long answers, not the queue.
     # With 24 requests per rate the arrivals stop within seconds and the queue with them, so its wait stays
     # bounded: to see the blow-up, a run must keep arrivals above what the full batch serves for many more
     # requests, so that the waiting queue, and TTFT with it, keeps growing.

@@ -127,9 +127,10 @@ def stale_quotes(notebook: Path, results: Path) -> list[str]:
     return problems
 
 
-# Suites whose results/ come from another machine than the notebooks' (the course's 2-core AMD EPYC, AVX2 only, where
-# every suite and notebook was re-run on 2026-11-29). A suite re-measured elsewhere goes here until the
-# notebooks and the other suites follow it, so that no notebook quotes figures from another machine than its own.
+# Suites whose results/ come from another machine than the notebooks' (the course's 2-core AMD EPYC of CPU family 26,
+# AVX-512, where the forecast, every suite and every notebook were re-run on 2026-11-30). A suite re-measured elsewhere
+# goes here until the notebooks and the other suites follow it, so that no notebook quotes figures from another
+# machine than its own.
 AWAITING_RERUN: set[str] = set()
 
 
