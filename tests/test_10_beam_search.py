@@ -103,6 +103,10 @@ def test_beams_on_shared_blocks_copy_at_most_a_block_per_beam_a_step(tiny_with_e
     block_bytes = floats * 16 * 4  # the pool's blocks hold 16 tokens
     copied = blocks.stats.extra["cache_copied_bytes"]
     assert copied % block_bytes == 0 and 0 < copied <= len(PROMPTS) * beams * steps * block_bytes < expected
+    # what the pool held at most: whole blocks, never more than every beam's rows in blocks of their own
+    peak = blocks.stats.extra["cache_peak_bytes"]
+    assert peak % block_bytes == 0 and 0 < peak <= len(PROMPTS) * beams * -(-(prompt + steps) // 16) * block_bytes
+    assert "cache_peak_bytes" not in static.stats.extra
 
 
 def test_scores_are_summed_logprobs_over_length_to_the_penalty(tiny_with_eos):

@@ -12,7 +12,8 @@ one it shares, its partial last block (copy-on-write), so a step copies at most 
 block per beam, whatever the length, where a contiguous reorder copies all of it.
 
 `copied_bytes` counts what copy-on-write copied (lesson 10 sets it beside the contiguous
-cache's). Attention reads each row's keys through its block table (`gather_blocks`);
+cache's), and `peak_bytes` the most the pool's held blocks took at once (beside the contiguous
+cache's rows, which hold every beam's prompt and history apart). Attention reads each row's keys through its block table (`gather_blocks`);
 that read is every paged cache's cost, not a copy of the cache's state.
 """
 
@@ -37,6 +38,7 @@ class BlockCache(KVCache):
         self._next_seq = 0
         self.block_bytes = sum(pool[0, 0].numel() * pool.element_size() for pool in (self.pool.k, self.pool.v)) \
             * n_layer  # one block, every layer, keys and values (`copied_bytes` counts copy-on-write's copies)
+        self.peak_blocks = 0  # the most blocks held at once
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, block_size: int = 16) -> "BlockCache":
@@ -45,6 +47,11 @@ class BlockCache(KVCache):
         heads, key, value = c.cache_widths
         return cls(c.n_layer, heads, key, max(1, batch * blocks_for(max_len, block_size)), block_size,
                    dtype=model.dtype, device=model.device, value_dim=value)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes of keys and values the held blocks took at once, every layer."""
+        return self.peak_blocks * self.block_bytes
 
     def reset(self) -> None:
         for seq in self.seqs:
@@ -67,6 +74,7 @@ class BlockCache(KVCache):
             copies = self.manager.take_copies()
             self.pool.copy_blocks(copies)
             self.copied_bytes += len(copies) * self.block_bytes
+            self.peak_blocks = max(self.peak_blocks, self.manager.num_blocks - self.manager.num_free)
             tables = [self.manager.block_table(seq) for seq in self.seqs]
             padded = torch.zeros(B, max(map(len, tables)), dtype=torch.long)  # past a row's end: masked columns
             for row, table in enumerate(tables):

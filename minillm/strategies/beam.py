@@ -35,7 +35,8 @@ surviving beam's rows (a beam chosen twice is duplicated, an abandoned one dropp
 as do finished prompts. A contiguous cache copies those rows, history and all;
 cache="blocks" keeps each beam in a paged pool, where the same reorder shares blocks and
 copies only a shared partial block a beam writes into (`minillm.cache.block_rows`).
-`stats.extra["cache_copied_bytes"]` says what the reorders copied.
+`stats.extra["cache_copied_bytes"]` says what the reorders copied, and with cache="blocks"
+`stats.extra["cache_peak_bytes"]` the most the pool's blocks held at once.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch
 from ..decoding.outputs import GenerationOutput, GenerationStats, RowOutput, check_prompts, encode_prompts
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import RowState, eos_ids
+from ..cache.block_rows import BlockCache
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from .generate import generate
@@ -243,6 +245,8 @@ def beam_search(model, prompts, config: SamplingConfig | None = None, *, num_bea
     cache_state = runner.session.cache  # None without a cache
     stats.extra.update(num_beams=num_beams,  # decode_tokens counts beam rows forwarded after the first step
                        cache_copied_bytes=cache_state.copied_bytes if cache_state is not None else 0)
+    if isinstance(cache_state, BlockCache):
+        stats.extra["cache_peak_bytes"] = cache_state.peak_bytes
     return beam_output(searches, num_return_sequences, settings, tokenizer, stats)
 
 
