@@ -13,8 +13,9 @@ block per beam, whatever the length, where a contiguous reorder copies all of it
 
 `copied_bytes` counts what copy-on-write copied (lesson 10 sets it beside the contiguous
 cache's), and `peak_bytes` the most the pool's held blocks took at once (beside the contiguous
-cache's rows, which hold every beam's prompt and history apart). Attention reads each row's keys through its block table (`gather_blocks`);
-that read is every paged cache's cost, not a copy of the cache's state.
+cache's rows, which hold every beam's prompt and history apart). Attention reads each row's
+keys through its block table (`gather_blocks`); that read is every paged cache's cost, not a
+copy of the cache's state.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class BlockCache(KVCache):
             copies = self.manager.take_copies()
             self.pool.copy_blocks(copies)
             self.copied_bytes += len(copies) * self.block_bytes
-            self.peak_blocks = max(self.peak_blocks, self.manager.num_blocks - self.manager.num_free)
+            self.peak_blocks = max(self.peak_blocks, self.manager.num_used)
             tables = [self.manager.block_table(seq) for seq in self.seqs]
             padded = torch.zeros(B, max(map(len, tables)), dtype=torch.long)  # past a row's end: masked columns
             for row, table in enumerate(tables):

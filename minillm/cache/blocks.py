@@ -109,6 +109,11 @@ class BlockManager:
         return tuple(self._free)
 
     @property
+    def num_used(self) -> int:
+        """Blocks some sequence holds."""
+        return self.num_blocks - len(self._free)
+
+    @property
     def capacity(self) -> int:
         """Token slots in the whole pool: the longest sequence that can ever fit."""
         return self.num_blocks * self.block_size

@@ -341,7 +341,7 @@ class Engine:
 
     def _record(self, start: float, plan, decode_tokens: int, blocks_copied: int) -> None:
         running, m = self.scheduler.running, self.manager
-        blocks_used = m.num_blocks - m.num_free
+        blocks_used = m.num_used
         # Only full blocks are shared, and they are full of keys: what is empty is each request's own.
         empty = sum(len(m.block_table(r.id)) * m.block_size - r.computed for r in running)
         self.timeline.append(StepRecord(

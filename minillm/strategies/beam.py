@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.block_rows import BlockCache
 from ..decoding.outputs import GenerationOutput, GenerationStats, RowOutput, check_prompts, encode_prompts
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import RowState, eos_ids
-from ..cache.block_rows import BlockCache
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from .generate import generate
