@@ -18,8 +18,9 @@ from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_c
 
 # The verify graph the default build adds beside the decode graph: the command line's speculative defaults draft
 # up to 8 tokens (`python -m minillm.infer --speculative`), verified with the newest in one forward. One graph
-# serves every shorter draft (padded to it). Measured through kept graphs on the 2-core AMD EPYC: a 9-token verify
-# 55-57 ms, a 5-token one 63-72 (Inductor's kernels for 5 rows are slower), a 17-token one 75-79, a decode step 25.
+# serves every shorter draft (padded to it). Its matmuls are oneDNN's on weights packed at its first call (0.2 s):
+# measured through kept graphs on the 2-core AMD EPYC with AVX-512, a 9-token verify 24-25 ms (33 with Inductor's
+# generated kernels), a decode step 9-13.
 DEFAULT_VERIFY_TOKENS = 9
 
 EPILOG = """examples:

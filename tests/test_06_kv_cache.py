@@ -199,6 +199,32 @@ def test_fast_linear_sends_up_to_three_rows_to_mkl_where_it_streams_faster(monke
         assert "_packed" in layer.__dict__  # more rows: oneDNN on every machine
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_unpacked_fast_linear_and_the_graphs_onednn_call_compute_linear(bias):
+    """The one-shot prefill's Linear (oneDNN on the weight as it lies: no packed copy) and the call a compiled step
+    makes over several rows (`onednn_linear`, on a copy packed once per weight and kept while the weight lives, made
+    again after an edit) compute F.linear."""
+    from minillm.speed import onednn
+
+    torch.manual_seed(0)
+    layer = onednn.use_unpacked_onednn(onednn.use_onednn(torch.nn.Linear(40, 96, bias=bias).requires_grad_(False)))
+    graph_layer = onednn.linears_call_onednn(torch.nn.Sequential(torch.nn.Linear(40, 96, bias=bias)))[0]
+    graph_layer.requires_grad_(False)
+    x = torch.randn(2, 9, 40)
+    with torch.inference_mode():
+        got = layer(x)
+        assert type(layer) is onednn.UnpackedOneDNNLinear and "_packed" not in layer.__dict__
+        torch.testing.assert_close(got.double(), _linear_reference(layer, x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graph_layer(x).double(), _linear_reference(graph_layer, x), atol=1e-5, rtol=1e-5)
+        packed = onednn.packed_for_graphs(graph_layer.weight)
+        graph_layer(x)
+        assert onednn.packed_for_graphs(graph_layer.weight) is packed  # packed once
+    with torch.no_grad():
+        graph_layer.weight.mul_(-1)  # edited in place: the packed copy is stale
+    with torch.inference_mode():
+        torch.testing.assert_close(graph_layer(x).double(), _linear_reference(graph_layer, x), atol=1e-5, rtol=1e-5)
+
+
 def test_fast_linear_repacks_when_the_weight_changes():
     """A stale packed copy would keep computing with the old weight after a load or an edit."""
     from minillm.speed.onednn import OneDNNLinear as Linear

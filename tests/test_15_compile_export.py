@@ -123,7 +123,11 @@ def test_matmul_kernels_follow_the_model_and_the_rows():
     assert (one_row.rows, batch.rows, verify.rows, PagedShape(16).rows) == (1, 4, 5, None)
     assert {matmul_kernels(tiny, rows) for rows in (1, 8, None)} == {"library"}
     assert matmul_kernels(large) == matmul_kernels(quantized) == "generated"
-    assert {matmul_kernels(model, rows) for model in (large, quantized) for rows in (4, None)} == {"timed"}
+    # several rows: a float32 model's matmuls by oneDNN on packed weights, a quantized model's timed
+    assert {matmul_kernels(large, rows) for rows in (4, None)} == {"onednn"}
+    assert {matmul_kernels(quantized, rows) for rows in (4, None)} == {"timed"}
+    with mock.patch.object(torch.backends.mkldnn, "is_available", return_value=False):
+        assert matmul_kernels(large, 4) == "timed"
     # int4 weights: Inductor generates their kernel only with AVX-512; on an AVX2 CPU the library's call is timed too
     int4 = quantize_model(copy.deepcopy(large), "int4")
     for capability, kernels in (("AVX512", "generated"), ("AVX2", "timed")):
@@ -131,11 +135,11 @@ def test_matmul_kernels_follow_the_model_and_the_rows():
             assert (matmul_kernels(int4), matmul_kernels(quantized)) == (kernels, "generated")
     compiled = CompiledModel(large, kept=True)
     assert compiled.settings_for(one_row) == {"matmuls": "generated"}
-    assert all(compiled.settings_for(shape) == {"matmuls": "timed"} for shape in (batch, verify, PagedShape(16)))
+    assert all(compiled.settings_for(shape) == {"matmuls": "onednn"} for shape in (batch, verify, PagedShape(16)))
     assert CompiledModel(tiny, kept=True).settings_for(PagedShape(16)) == {"matmuls": "library"}
     assert CompiledModel(large, matmuls="library", kept=True).settings_for(batch) == {"matmuls": "library"}
     assert CompiledModel(tiny, matmuls="timed", kept=True).settings_for(one_row) == {"matmuls": "timed"}
-    with pytest.raises(ValueError, match="matmuls='fast': choose one of library, generated, timed"):
+    with pytest.raises(ValueError, match="matmuls='fast': choose one of library, generated, timed, onednn"):
         CompiledModel(large, matmuls="fast")
     assert compile_model(tiny, kept=True) is compile_model(tiny, kept=True)
 
@@ -144,13 +148,17 @@ def test_matmul_kernels_follow_the_model_and_the_rows():
 @pytest.mark.parametrize("matmuls", MATMUL_KERNELS)
 def test_each_choice_of_matmul_kernels_runs_what_it_names(matmuls):
     """One linear of a million weights compiled at one row: the library's call (an extern mm) for "library", a
-    kernel written for the shape (Inductor's C++ GEMM template) for "generated", and for "timed" whichever won;
-    each gives the eager product."""
+    kernel written for the shape (Inductor's C++ GEMM template) for "generated", for "timed" whichever won, and
+    for "onednn" (the linear as a kept step traces it) the call of oneDNN's product on the packed weight; each
+    gives the eager product."""
     from torch._inductor.utils import run_and_get_code
 
     from minillm.speed.inductor import inductor_settings
+    from minillm.speed.onednn import linears_call_onednn
 
     linear = torch.nn.Linear(1024, 1024, bias=False).requires_grad_(False).eval()
+    if matmuls == "onednn":
+        linear = linears_call_onednn(torch.nn.Sequential(linear))[0]
     x = torch.randn(1, 1024)
     torch._dynamo.reset()
     with torch.no_grad(), inductor_settings(matmuls, "cpu"):
@@ -158,8 +166,9 @@ def test_each_choice_of_matmul_kernels_runs_what_it_names(matmuls):
     source = "\n".join(code)
     library = any(call in source for call in ("_mkl_linear", "mm_out", "extern_kernels.mm"))  # MKL's, frozen or not
     generated = "micro_gemm" in source  # the template's kernel, built around a micro-kernel for this CPU
-    assert {"library": (True, False), "generated": (False, True)}.get(matmuls, (library, not library)) == (
-        library, generated)
+    assert ("onednn_linear" in source) is (matmuls == "onednn")
+    assert {"library": (True, False), "generated": (False, True), "onednn": (False, False)}.get(
+        matmuls, (library, not library)) == (library, generated)
     torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
 
 

@@ -189,10 +189,10 @@ def test_a_deferred_model_moves_to_huge_pages_only_when_its_decode_reads_it(tmp_
     """`load_model(defer_huge_pages=True)`, as the command line loads: the runner of a kept graph leaves the model
     where it is, even where the graph's matmuls call the library on the model's own weights (a tiny model's do); an
     eager runner moves it into huge pages; the kept graph still decodes the eager tokens after the model moved (the
-    package holds what it shares). The one-shot run's prefill multiplies each weight once: on plain `F.linear`,
-    nothing packed for oneDNN. (The same built graph then serves a speculative run's plain steps: see below.)"""
+    package holds what it shares). The one-shot run's prefill multiplies each weight once: by oneDNN on the weight as
+    it lies, nothing packed. (The same built graph then serves a speculative run's plain steps: see below.)"""
     from minillm.speed.huge_pages import defer_placement
-    from minillm.speed.onednn import use_onednn, uses_onednn
+    from minillm.speed.onednn import OneDNNLinear, use_onednn, uses_onednn
 
     monkeypatch.setenv("MINILLM_HOME", str(tmp_path))
     _, model = tiny_pair("llama", context_length=256)
@@ -201,7 +201,8 @@ def test_a_deferred_model_moves_to_huge_pages_only_when_its_decode_reads_it(tmp_
     address = weight.data_ptr()
     compiled = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
     assert compiled.stats.extra["graph"] == "compiled" and weight.data_ptr() == address
-    assert not uses_onednn(model) and not any("_packed" in m.__dict__ for m in model.modules())
+    assert not any(type(m) is OneDNNLinear for m in model.modules())  # the prefill's: oneDNN on the weights as
+    assert uses_onednn(model) and not any("_packed" in m.__dict__ for m in model.modules())  # they lie, none packed
     eager = generate(model, PROMPTS[:1], max_new_tokens=12, compile=False)
     assert weight.data_ptr() != address  # placed: the eager decode reads the model's own weights
     again = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
@@ -510,3 +511,35 @@ def test_a_quantized_model_runs_its_kernels_inside_the_kept_graphs(tmp_path, mon
                                        engine_options={**options, "graph": graph}) for graph in ("eager", "compiled")}
     assert runs["compiled"].token_ids == runs["eager"].token_ids == eager.token_ids
     assert runs["compiled"].stats.extra["compiled_steps"] == runs["compiled"].stats.forward_passes - 2
+
+
+@pytest.mark.slow
+def test_a_kept_verify_step_on_onednn_packed_weights_gives_the_eager_logits(tmp_path, monkeypatch):
+    """A float32 model's several-row steps call oneDNN on packed weights (`matmuls="onednn"`, the choice for a model
+    of real size): the package calls `onednn_linear` from its C++ driver, each weight is packed once, at the first
+    call, and a 5-token verify gives the eager forward's logits (both libraries round differently)."""
+    from minillm.runtime.session import DecodeSession
+    from minillm.speed import onednn
+
+    monkeypatch.setenv("MINILLM_HOME", str(tmp_path))
+    _, model = tiny_pair("llama", context_length=256)
+    compiled = compile_model(model, matmuls="onednn", kept=True)
+    verify = StepShape.verify(model.config, 1, 5, None).any_length()
+    compiled.prepare([verify], progress=False)
+    calls = next((tmp_path / "graphs").glob("verify-*/package/**/*.wrapper.json"), None)  # what the driver calls back
+    assert calls is not None and '"target": "minillm::onednn_linear"' in calls.read_text()
+    packs = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda *args, original=torch.ops.mkldnn._reorder_linear_weight: packs.append(1) or
+                        original(*args))
+    with torch.inference_mode():
+        got, expected = [], []
+        for twin, out in ((compiled, got), (model, expected)):
+            session = DecodeSession(twin, "static", max_len=256, fixed_shape=True)
+            session.prefill([[5, 6, 7]])
+            out += [session.extend([[8, 9, 10, 11, 12]]), session.extend([[13, 14, 15, 16, 17]])]
+    assert compiled.eager_calls == 1  # the prompt: both verifies ran the package
+    linears = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert len(packs) == len(linears)  # once per weight, not per call
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)

@@ -34,9 +34,10 @@ A model the loader left out of huge pages (`load_model(defer_huge_pages=True)`, 
 one-shot run) is placed there here, once, when the run decodes eagerly. A run through kept graphs leaves it where
 it is, even where a graph calls the library on the model's own weights (the Q4_1 and int8 steps): on the 2-core AMD
 EPYC the copy took 0.64 s and the Q4_1 step ran 73.3 against 70.6 tok/s for it (median of six 64-token runs,
-alternated), some 0.07 s back over a 128-token answer. Such a run's eager forwards (the prefill) also go to plain
-`F.linear`: oneDNN would first pack every weight (`minillm.speed.onednn`, 0.32 s for the default model there) to
-multiply it once (a 38-token prefill: 0.45 s packing and all, 0.16 s through MKL).
+alternated), some 0.07 s back over a 128-token answer. Such a run's eager forwards (the prefill) multiply each
+weight once, so they call oneDNN on the weight as it lies rather than pack it first (`use_unpacked_onednn`): on the
+2-core AMD EPYC with AVX-512 an 805-token prefill took 0.66 s so, against 1.14 through MKL's `F.linear`, and a
+22-token one 0.034 against 0.067 (packing every weight costs some 0.2 s).
 
 For contiguous caches the runner keeps its rows in the order of the sequences it was last
 given; a step over fewer sequences (some finished) drops the others' rows, so a strategy
@@ -54,7 +55,7 @@ from ..parallel.follow import Announced, announce, announce_runner, leads
 from ..speed.compile import compile_model
 from ..speed.graph_forward import graph_problem
 from ..speed.huge_pages import place_deferred, placement_deferred
-from ..speed.onednn import use_plain_linear
+from ..speed.onednn import use_unpacked_onednn
 from ..speed.onnx_model import OnnxModel, OnnxSession
 from ..speed.step_shapes import PagedShape, StepShape, any_length_cache
 from .sequence import Sequence
@@ -130,7 +131,7 @@ class ModelRunner:
         if not exported and not (graph == "compiled" and model.device.type == "cpu"):
             place_deferred(model)  # an eager decode: the model into huge pages (if the loader deferred)
         elif not exported and placement_deferred(model):  # a one-shot run through kept graphs: see the module doc
-            use_plain_linear(model)
+            use_unpacked_onednn(model)
         self.model, self.cache_kind, self.graph = model, cache, "onnx" if exported else graph
         self.rows: list[Sequence] = []  # the sequences the contiguous cache holds, in row order
         self.build_seconds = 0.0  # how long loading or building the compiled graphs took, before any step

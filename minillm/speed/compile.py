@@ -38,6 +38,7 @@ in, logits and the updated keys/values out.
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from dataclasses import replace
@@ -52,6 +53,7 @@ from .cuda_graph import CapturedStep
 from .graph_forward import CacheStep, graph_ready_copy, refuse_ungraphable
 from .graph_store import PackagedStep, graph_key, kept_problem, load_or_build
 from .inductor import check_matmul_kernels, inductor_settings, matmul_kernels
+from .onednn import linears_call_onednn
 from .step_shapes import PagedShape, StepShape
 
 
@@ -66,7 +68,7 @@ class CompiledModel:
     def __init__(self, model, chunk: int = 64, matmuls: str | None = None, kept: bool = False):
         """kept: run the graphs as AOTInductor packages kept on disk (`minillm.speed.graph_store`), built
         or loaded by `prepare` before the run; False: torch.compile them in this process as they are met.
-        matmuls: the kernels that run the weight matmuls, "library", "generated" or "timed"
+        matmuls: the kernels that run the weight matmuls, "library", "generated", "timed" or "onednn"
         (`minillm.speed.inductor.MATMUL_KERNELS`) for every shape; None decides for each step's shape, by
         the model, the rows it multiplies and the device (`matmul_kernels`)."""
         if chunk < 1:
@@ -82,6 +84,7 @@ class CompiledModel:
         self.packages = {}
         self.only_prepared = kept
         self._matmuls_by_rows = {}  # matmul_kernels' answer per rows, asked once (it walks the model's tensors)
+        self._onednn_step = None  # `traced_module("onednn")`, made when a package of it is built
         if kept:  # the traced copy is made only if a package must be built: loading one needs no copy
             return
         # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
@@ -99,6 +102,15 @@ class CompiledModel:
         # stay one opaque library call per layer.
         set_attention_backend(graph_model, make_backend("naive"))
         return CacheStep(graph_model).eval()
+
+    def traced_module(self, matmuls: str) -> CacheStep:
+        """What a package whose matmuls are `matmuls` traces: `step_module`, or for "onednn" a copy of it whose
+        linears call oneDNN's product on packed weights (`linears_call_onednn`)."""
+        if matmuls != "onednn":
+            return self.step_module
+        if self._onednn_step is None:
+            self._onednn_step = CacheStep(linears_call_onednn(copy.deepcopy(self.step_module.model))).eval()
+        return self._onednn_step
 
     def prepared_for(self, shape: StepShape):
         """What `prepare` made ready to run a step of `shape`: its own package, or one for any cache length; or None."""
@@ -165,7 +177,7 @@ class CompiledModel:
                 if self.kept:
                     key, matmuls = graph_key(self.model, shape, self.settings_for(shape)), self.matmuls_for(shape)
                     self.packages[shape] = load_or_build(
-                        self.model, lambda: shape.module(self.step_module), shape, key,
+                        self.model, lambda: shape.module(self.traced_module(matmuls)), shape, key,
                         lambda: inductor_settings(matmuls, self.device), progress=bar.set_postfix_str)
                 else:
                     self.packages[shape] = self._warm(shape, session, captured)
@@ -361,9 +373,10 @@ def compile_model(model, chunk: int = 64, matmuls: str | None = None, kept: bool
     """The model's compiled twin, made once per model and settings (compiled graphs are kept with it).
 
     matmuls: the kernels that run the weight matmuls (`inductor_settings`): "library" (MKL, oneDNN,
-    cuBLAS), "generated" (a kernel Inductor writes for each weight's shape) or "timed" (both, the faster
-    kept: the slowest to compile); None (the default): for each step by the model, the rows its
-    matmuls multiply and the device (`matmul_kernels`). kept: its graphs are
+    cuBLAS), "generated" (a kernel Inductor writes for each weight's shape), "timed" (both, the faster
+    kept: the slowest to compile) or "onednn" (kept packages only: oneDNN's product on weights packed once, a
+    float32 model on a CPU; compiled in this process it is the library's); None (the default): for each step
+    by the model, the rows its matmuls multiply and the device (`matmul_kernels`). kept: its graphs are
     AOTInductor packages on disk (`minillm.speed.graph_store`), built once per machine and loaded
     by `CompiledModel.prepare`; False: compiled in this process by torch.compile when first met.
     """

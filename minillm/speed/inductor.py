@@ -15,12 +15,14 @@ from unittest import mock
 
 import torch
 
-from .quant import Int4WeightLinear
+from .onednn import onednn_packs_float32
+from .quant import Int4WeightLinear, QuantizedLinear
 
 GENERATED_MIN_ELEMENTS = 1_000_000  # weights and buffers: a smaller model keeps the library's (`matmul_kernels`)
 # What runs a compiled step's weight matmuls: the library's call (MKL or oneDNN on a CPU, cuBLAS on a GPU),
-# a kernel Inductor generates for each weight's exact shape, or both, timed on the spot and the faster kept.
-MATMUL_KERNELS = ("library", "generated", "timed")
+# a kernel Inductor generates for each weight's exact shape, both, timed on the spot and the faster kept, or
+# oneDNN's product on a weight it packed once (`minillm.speed.onednn.onednn_linear`, float32 on a CPU).
+MATMUL_KERNELS = ("library", "generated", "timed", "onednn")
 
 
 def matmul_kernels(model, rows: int | None = 1) -> str:
@@ -54,12 +56,19 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
                                         54 timed: there the library's call and the generated kernel
                                         trade places by shape, so both are timed
 
+        several rows, float32,          a 9-token verify step: 33 ms timed (the generated kernels won), 56
+        2-core AMD EPYC (AVX-512)       with the library's call (MKL, its AVX2 kernels on an AMD CPU, on a
+                                        weight it has not packed), 26 with oneDNN's product on packed weights;
+                                        a decode step 13.5. The 30 layers' matmuls alone, 9 rows: MKL 36 ms,
+                                        oneDNN packed 12.4 (1 row: 24.4 and 10.3)
+
         one row, int4, AVX2 CPU         Inductor has no generated kernel for `_weight_int4pack_mm_for_cpu`
                                         without AVX-512 (its C++ template offers no choice, and the build
                                         stops with NoValidChoicesError: `--quant gguf` on the AMD EPYC), so
                                         there the library's call stays in the running, timed
 
-    So one row gets generated kernels, several rows timed ones. A model of a few thousand weights
+    So one row gets generated kernels; several rows of a float32 model oneDNN's packed product (`onednn`),
+    of a quantized one timed kernels. A model of a few thousand weights
     (the course's tiny test models) runs no faster with either and would triple its compile time, and
     on a GPU a decode step's matmuls are already cuBLAS kernels streaming near the bandwidth (what
     compiling buys there is one CUDA graph launch instead of hundreds of kernel launches): both keep
@@ -71,7 +80,14 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
         return "library"
     if rows == 1 and not (holds_int4_weights(model) and "AVX512" not in torch.backends.cpu.get_cpu_capability()):
         return "generated"
+    if rows != 1 and onednn_packs_float32(model) and not holds_quantized_weights(model):
+        return "onednn"
     return "timed"
+
+
+def holds_quantized_weights(model) -> bool:
+    """Whether some matmul of the model multiplies quantized weights (lesson 14's modules)."""
+    return any(isinstance(module, QuantizedLinear) for module in model.modules())
 
 
 def holds_int4_weights(model) -> bool:
@@ -89,7 +105,9 @@ def inductor_settings(matmuls: str, device):
     """Inductor's settings for a compile: frozen weights and the matmul kernels `matmuls` names (`MATMUL_KERNELS`).
 
     Freezing turns the weights into constants, so Inductor may lay them out for its own
-    kernels once, at compile time. "generated" and "timed" turn on `max_autotune`, which makes
+    kernels once, at compile time. "onednn" compiles as "library": its matmuls are already calls to
+    `onednn_linear`, put there when the step is traced (`minillm.speed.onednn.linears_call_onednn`).
+    "generated" and "timed" turn on `max_autotune`, which makes
     each matmul a choice among candidates: "generated" offers only the kernel Inductor writes
     for this exact shape (on CPUs its C++ GEMM template over the prepacked weight; on GPUs a
     Triton template), so nothing is timed; "timed" adds the library's call (MKL on x86 CPUs),
@@ -110,12 +128,12 @@ def inductor_settings(matmuls: str, device):
         settings["cpp_wrapper"] = True
     # (On a GPU the same problem is solved by recording the step's launches once as a CUDA graph and
     # replaying it: `minillm.speed.cuda_graph`.)
-    if matmuls != "library":
+    if matmuls in ("generated", "timed"):
         generated = "CPP" if on_cpu else "TRITON"
         settings.update(max_autotune=True, max_autotune_report_choices_stats=False, autotune_fallback_to_aten=True,
                         max_autotune_gemm_backends=generated if matmuls == "generated" else f"{generated},ATEN")
     quiet = contextlib.nullcontext()
-    if matmuls != "library" and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
+    if matmuls in ("generated", "timed") and hasattr(select_algorithm, "PRINT_AUTOTUNE"):
         quiet = mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
     with config.patch(settings), quiet, templates_compiled_once(), index_texts_parsed_once(), warnings.catch_warnings():
         # torch's own deprecation notes, not the reader's concern: Inductor's autotuner still calls `Tensor.storage()`,
@@ -194,5 +212,5 @@ def _index_parser(parse):
     return parse_kept
 
 
-__all__ = ["GENERATED_MIN_ELEMENTS", "MATMUL_KERNELS", "check_matmul_kernels", "index_texts_parsed_once",
-           "inductor_settings", "matmul_kernels", "templates_compiled_once", "torch_patch"]
+__all__ = ["GENERATED_MIN_ELEMENTS", "MATMUL_KERNELS", "check_matmul_kernels", "holds_quantized_weights",
+           "index_texts_parsed_once", "inductor_settings", "matmul_kernels", "templates_compiled_once", "torch_patch"]

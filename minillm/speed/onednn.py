@@ -23,6 +23,17 @@ oneDNN 23.5/24.5/26.6/24.1 ms, so MKL takes up to `MKL_MAX_ROWS`; eager decoding
 runs MKL's one-row product read the weights at a third of the bandwidth, oneDNN's at
 half: there oneDNN keeps every shape.
 
+A run that decodes through kept graphs (their own weights, `minillm.speed.graph_store`) multiplies
+each model weight only in its prefill, once per run: packing would cost more than it saves, so
+there oneDNN multiplies the plain weight (`use_unpacked_onednn`), as fast as the packed one at a
+prompt's hundreds of rows. Measured on the 2-core AMD EPYC with AVX-512 (Zen 5), the default
+model's 30 layers' matmuls over 805 rows: MKL 0.82 s, oneDNN 0.36 s plain and 0.35 s packed
+(MKL runs its AVX2 kernels on an AMD CPU, oneDNN its AVX-512 ones).
+
+A compiled step over several rows (a verify, a batch, the server's step) calls the same packed
+product as a library function, `onednn_linear`, which packs each weight the first time it meets it
+and keeps the copy while the weight lives (`linears_call_onednn`, `minillm.speed.inductor`).
+
 The products are the same dot products summed in another order: results differ from
 `F.linear` by float32 rounding, as any two BLAS libraries do. Everything else (GPUs,
 bf16/fp16, training, a PyTorch without oneDNN) falls back to plain `F.linear`.
@@ -35,6 +46,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..base.machine import cpuinfo_field
 
@@ -43,6 +55,8 @@ MKL_MAX_ROWS = 3  # activation rows up to which MKL's product beats oneDNN's whe
 
 class OneDNNLinear(nn.Linear):
     """nn.Linear whose float32 CPU inference matmul runs oneDNN on a prepacked weight."""
+
+    packs = True  # False: oneDNN multiplies the weight as it lies (`UnpackedOneDNNLinear`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._onednn_applies(x):
@@ -59,6 +73,8 @@ class OneDNNLinear(nn.Linear):
     def _packed_weight(self):
         """oneDNN's copy of the weight, repacked whenever the weight is replaced or edited."""
         w = self.weight
+        if not self.packs:
+            return w
         key = (w.data_ptr(), w.shape, None if w.is_inference() else w._version)
         if getattr(self, "_packed_key", None) != key:
             # batch_size is the row count the layout is tuned for: small, as in decoding.
@@ -78,6 +94,67 @@ class OneDNNLinear(nn.Linear):
     def __getstate__(self):
         """Copies and pickles leave the packed copy behind (oneDNN tensors cannot be copied)."""
         return {k: v for k, v in super().__getstate__().items() if k not in ("_packed", "_packed_key")}
+
+
+class UnpackedOneDNNLinear(OneDNNLinear):
+    """OneDNNLinear on the weight as it lies: no packed copy, for a run that multiplies each weight once
+    (the prefill of a run decoding through kept graphs)."""
+
+    packs = False
+
+
+# weight -> (its address and version when packed, oneDNN's packed copy): held while the weight lives
+_PACKED_FOR_GRAPHS = WeakIdKeyDictionary()
+
+
+def packed_for_graphs(weight: torch.Tensor):
+    """oneDNN's packed copy of `weight`, made the first time a compiled step multiplies it (and again if it changed)."""
+    stamp = (weight.data_ptr(), None if weight.is_inference() else weight._version)
+    entry = _PACKED_FOR_GRAPHS.get(weight)
+    if entry is None or entry[0] != stamp:
+        entry = _PACKED_FOR_GRAPHS[weight] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16))
+    return entry[1]
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias by oneDNN on its packed copy of `weight`: a compiled step's matmul over several rows,
+    which Inductor calls as a library function, `torch.ops.minillm.onednn_linear` (its C++ driver calls back into
+    this one)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_for_graphs(weight), bias, "none", [], "")
+
+
+def _onednn_linear_shape(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# Registered through `torch.library.Library` rather than the `custom_op` decorator, whose wrapper imports
+# torch._dynamo at the first call: 1.2 s of a one-shot run's first verify step.
+_LIBRARY = torch.library.Library("minillm", "DEF")
+_LIBRARY.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.impl("onednn_linear", onednn_linear, "CPU")
+torch.library.register_fake("minillm::onednn_linear", _onednn_linear_shape, lib=_LIBRARY)
+
+
+class GraphOneDNNLinear(nn.Linear):
+    """nn.Linear that a traced graph records as one `onednn_linear` call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.minillm.onednn_linear(x, self.weight, self.bias)
+
+
+def onednn_packs_float32(model: nn.Module) -> bool:
+    """Whether oneDNN can run `model`'s float32 matmuls here: a float32 model on a CPU, with oneDNN built in."""
+    parameter = next(model.parameters(), None)
+    return (parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+def linears_call_onednn(model: nn.Module) -> nn.Module:
+    """Every plain nn.Linear of `model` (a graph-ready copy, to be traced) calls `onednn_linear`, in place."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = GraphOneDNNLinear
+    return model
 
 
 @functools.cache
@@ -101,17 +178,28 @@ def use_onednn(model: nn.Module) -> nn.Module:
     return model
 
 
+def use_unpacked_onednn(model: nn.Module) -> nn.Module:
+    """Every OneDNNLinear of `model` multiplies its weight as it lies, its packed copy dropped (a one-shot prefill)."""
+    for module in model.modules():
+        if type(module) is OneDNNLinear:
+            module.drop_packed_weight()
+            module.__class__ = UnpackedOneDNNLinear
+    return model
+
+
 def use_plain_linear(model: nn.Module) -> nn.Module:
     """Undo `use_onednn`: every OneDNNLinear becomes a plain nn.Linear again (the off switch)."""
     for module in model.modules():
-        if type(module) is OneDNNLinear:
+        if isinstance(module, OneDNNLinear):
             module.drop_packed_weight()
             module.__class__ = nn.Linear
     return model
 
 
 def uses_onednn(model: nn.Module) -> bool:
-    return any(type(m) is OneDNNLinear for m in model.modules())
+    return any(isinstance(m, OneDNNLinear) for m in model.modules())
 
 
-__all__ = ["MKL_MAX_ROWS", "OneDNNLinear", "libraries_stream_matvecs", "use_onednn", "use_plain_linear", "uses_onednn"]
+__all__ = ["MKL_MAX_ROWS", "GraphOneDNNLinear", "OneDNNLinear", "UnpackedOneDNNLinear", "libraries_stream_matvecs",
+           "linears_call_onednn", "onednn_linear", "onednn_packs_float32", "packed_for_graphs", "use_onednn",
+           "use_plain_linear", "use_unpacked_onednn", "uses_onednn"]
