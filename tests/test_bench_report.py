@@ -163,14 +163,17 @@ def lookahead_result() -> dict:
 
 
 def cli_result() -> dict:
-    def process(rate, path, first=1.0, seconds=8.0):
+    def process(rate, path, first=1.0, seconds=8.0, prefill=0.05):
         return {"seconds": seconds, "seconds_per_repeat": around(seconds), "first_text_seconds": first,
-                "decode_tokens_per_second": rate, "decode_tokens_per_second_per_repeat": around(rate),
-                "decode_tokens": 127, "path": path, "text": "She opened it."}
+                "prefill_seconds": prefill, "decode_tokens_per_second": rate,
+                "decode_tokens_per_second_per_repeat": around(rate), "decode_tokens": 127, "path": path,
+                "text": "She opened it."}
 
     contenders = {"minillm eager": process(30.0, "eager"), "minillm compiled": process(60.0, "compiled"),
                   "minillm gguf eager": process(50.0, "eager"), "minillm gguf compiled": process(110.0, "compiled"),
-                  "llama.cpp F32": process(50.0, None), "llama.cpp Q4_1": process(100.0, None)}
+                  "llama.cpp F32": process(50.0, None), "llama.cpp Q4_1": process(100.0, None),
+                  "minillm long-prompt compiled": process(70.0, "compiled", first=1.6, prefill=0.6),
+                  "llama.cpp long-prompt F32": process(50.0, None, first=1.1, prefill=0.9)}
     for name in ("minillm compiled", "minillm gguf compiled"):
         contenders[name]["same_text_as_eager"] = True
     for task, plain, lookup in (("open-ended", 40.0, 39.0), ("copy-heavy", 40.0, 100.0)):
@@ -230,12 +233,17 @@ def test_report_quotes_the_json_and_changes_with_it(results_dir):
 
 def test_cli_report_sets_each_process_against_its_llama_cpp_format(results_dir):
     section = report.regenerate(TEMPLATE, results_dir, results_dir)
-    assert "| minillm compiled | compiled | 1.00 | 8.00 | 60.0 (54.0-72.0) | 1.20x |" in section
-    assert "| minillm gguf compiled | compiled | 1.00 | 8.00 | 110.0 (99.0-132.0) | 1.10x |" in section
+    assert "| minillm compiled | compiled | 1.00 | 0.05 | 8.00 | 60.0 (54.0-72.0) | 1.20x |" in section
+    assert "| minillm gguf compiled | compiled | 1.00 | 0.05 | 8.00 | 110.0 (99.0-132.0) | 1.10x |" in section
+    # the long prompt against llama.cpp's on the same prompt, its prefill the processes' own report
+    assert "| minillm long-prompt compiled | compiled | 1.60 | 0.60 | 8.00 | 70.0 (63.0-84.0) | 1.40x |" in section
+    assert ("start to first text 1.60 s compiled against llama.cpp F32's 1.10 s; its prefill (each process's own "
+            "time from the prompt to the first token, the model loaded) 0.60 s against 0.90 s, 1.50x llama.cpp's "
+            "rate." in flat(section))
     assert "float32 80 s, gguf 70 s" in section
     assert ("A process that only imports torch took 0.70 s (0.60-0.90 s) in the same rounds: the floor under every "
             "minillm start. The first text came that much later in the compiled runs: compiled 0.30 s, gguf compiled "
-            "0.30 s. llama.cpp's processes import no torch." in flat(section))
+            "0.30 s, long-prompt compiled 0.90 s. llama.cpp's processes import no torch." in flat(section))
     # Speculative rows: their own table, each strategy against plain decoding on its prompt, not against llama.cpp.
     assert "| speculative" not in section
     assert "| open-ended | prompt-lookup | 39.0 (35.1-46.8) | 8.00 | 0.97x | 1.46 | yes |" in section

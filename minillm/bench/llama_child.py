@@ -16,19 +16,21 @@ sys.path = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.p
 
 
 def main(gguf: str, new_tokens: int, prompt: str, threads: int) -> None:
-    """Stream `new_tokens` greedy tokens after `prompt` to stdout; report the decode rate on stderr in the line
-    `python -m minillm.infer --stats` prints (`[N decode tokens at R tok/s]`), which the suite parses for both."""
+    """Stream `new_tokens` greedy tokens after `prompt` to stdout; report on stderr, in the words of the line
+    `python -m minillm.infer --stats` prints, which the suite parses for both: the time from the prompt to the first
+    token (its prefill, the model loaded) and the decode rate after it."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False,
                 use_extra_bufts=False)
-    times = []
+    start, times = time.perf_counter(), []
     for chunk in llm.create_completion(prompt, max_tokens=new_tokens, temperature=0, stream=True):
         times.append(time.perf_counter())
         sys.stdout.write(chunk["choices"][0]["text"])
         sys.stdout.flush()
     rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
-    print(f"[{len(times) - 1} decode tokens at {rate:.1f} tok/s]", file=sys.stderr)
+    print(f"[time to first token {times[0] - start:.3f} s, {len(times) - 1} decode tokens at {rate:.1f} tok/s]",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

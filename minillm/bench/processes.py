@@ -19,8 +19,9 @@ then streams tokens. This suite runs exactly those commands, each in a fresh pro
                              (SPECULATIVE_PROMPTS): an open-ended one, whose answer copies little,
                              and a copy-heavy one; each strategy's decode rate against plain's
 
-For each it records the wall time to the first streamed text and to exit, and the decode
-rate the process reports for itself; in the same rounds, a process that only imports torch
+For each it records the wall time to the first streamed text and to exit, and what the process
+reports for itself: the time from its prompt to its first token (the prefill, after loading) and
+the decode rate after it; in the same rounds, a process that only imports torch
 times the floor under every minillm start (llama.cpp's process imports no torch: `llama_child`).
 The builds happen in a fresh $MINILLM_HOME (the model conversions linked in from the real
 one), so the first build is a real first build.
@@ -56,6 +57,7 @@ STRATEGIES = {"plain": [], "prompt-lookup": ["--speculative", "prompt-lookup"],
 STATS = re.compile(r"(\d+) decode tokens at ([\d.]+) tok/s")
 PATH = re.compile(r"\[path: (\w+)")
 PER_FORWARD = re.compile(r"([\d.]+) tokens per target forward")
+PREFILL = re.compile(r"time to first token ([\d.]+) s")  # the process's own: from its prompt to its first token
 LLAMA_CHILD = Path(__file__).with_name("llama_child.py")
 # The floor under every minillm process's start: a process that only imports torch, timed in the same rounds.
 TORCH_IMPORT = [sys.executable, "-c", "import torch"]
@@ -87,7 +89,9 @@ def timed_process(command: list[str], env: dict) -> dict:
     if child.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:4])} ... failed (exit {child.returncode}): {err.strip()[-300:]}")
     stats, path, per_forward = STATS.search(err), PATH.search(err), PER_FORWARD.search(err)
+    prefill = PREFILL.search(err)
     return {"seconds": end - start, "first_text_seconds": (first or end) - start,
+            "prefill_seconds": float(prefill.group(1)) if prefill else None,
             "decode_tokens": int(stats.group(1)) if stats else None,
             "decode_tokens_per_second": float(stats.group(2)) if stats else None,
             "path": path.group(1) if path else None, "text": b"".join(chunks).decode(errors="replace"),
@@ -172,6 +176,9 @@ def run(args) -> dict:
         seconds = [r["seconds"] for r in runs]
         rows[name] = {"seconds": median(seconds), "seconds_per_repeat": seconds,
                       "first_text_seconds": median([r["first_text_seconds"] for r in runs]),
+                      "prefill_seconds": (median([r["prefill_seconds"] for r in runs])
+                                          if all(r["prefill_seconds"] is not None for r in runs) else None),
+                      "prefill_seconds_per_repeat": [r["prefill_seconds"] for r in runs],
                       "decode_tokens_per_second": median(rates), "decode_tokens_per_second_per_repeat": rates,
                       "decode_tokens": runs[-1]["decode_tokens"], "path": runs[-1]["path"], "text": runs[-1]["text"],
                       **{key: runs[-1][key] for key in ("tokens_per_target_forward", "verified_eagerly")

@@ -228,8 +228,8 @@ LLAMA_REFERENCE = {"none": "llama.cpp F32", "int8": "llama.cpp Q8_0", "gguf": "l
 
 def cli_section(title: str, data: dict, links: dict) -> str:
     rows = data["contenders"]
-    header = ["process", "path that ran", "start to first text (s)", "whole run (s)", "decode tok/s (spread)",
-              "decode vs llama.cpp"]
+    header = ["process", "path that ran", "start to first text (s)", "prefill (s)", "whole run (s)",
+              "decode tok/s (spread)", "decode vs llama.cpp"]
     body = []
     speculative = {name: row for name, row in rows.items() if name.startswith("speculative")}
     rows = {name: row for name, row in rows.items() if name not in speculative}
@@ -241,8 +241,9 @@ def cli_section(title: str, data: dict, links: dict) -> str:
         reference = rows.get(reference) if name.startswith("minillm") else None
         ratio = (md.times(row["decode_tokens_per_second"] / reference["decode_tokens_per_second"])
                  if reference else "—")
-        body.append([name, row["path"] or "llama.cpp", f"{row['first_text_seconds']:.2f}", f"{row['seconds']:.2f}",
-                     f"{row['decode_tokens_per_second']:.1f} "
+        prefill = "—" if row.get("prefill_seconds") is None else f"{row['prefill_seconds']:.2f}"
+        body.append([name, row["path"] or "llama.cpp", f"{row['first_text_seconds']:.2f}", prefill,
+                     f"{row['seconds']:.2f}", f"{row['decode_tokens_per_second']:.1f} "
                      f"({md.span(row['decode_tokens_per_second_per_repeat'], 1)})", ratio])
     builds = ", ".join(f"{'float32' if q == 'none' else q} {s:.0f} s" for q, s in data["first_build_seconds"].items())
     graphs = ("the decode graph and the verify graph of speculative decoding's defaults"  # runs since the default
@@ -263,9 +264,14 @@ def cli_section(title: str, data: dict, links: dict) -> str:
                                f"runs: {beyond}. llama.cpp's processes import no torch."))
     long, llama_long = rows.get("minillm long-prompt compiled"), rows.get("llama.cpp long-prompt F32")
     if long and llama_long:
+        prefills = ""
+        if long.get("prefill_seconds") and llama_long.get("prefill_seconds"):  # runs since each process reported it
+            prefills = (f"; its prefill (each process's own time from the prompt to the first token, the model "
+                        f"loaded) {long['prefill_seconds']:.2f} s against {llama_long['prefill_seconds']:.2f} s, "
+                        f"{md.times(llama_long['prefill_seconds'] / long['prefill_seconds'])} llama.cpp's rate")
         notes.append(md.bullet(f"The long prompt (the batch suite's paragraph three times, about 800 tokens): start "
                                f"to first text {long['first_text_seconds']:.2f} s compiled against llama.cpp F32's "
-                               f"{llama_long['first_text_seconds']:.2f} s; both prefill it before their first token."))
+                               f"{llama_long['first_text_seconds']:.2f} s{prefills}."))
     if speculative:
         notes.append(speculative_table(speculative, data["speculative_prompts"]))
     if data["llama_cpp"] is not None:
@@ -274,7 +280,8 @@ def cli_section(title: str, data: dict, links: dict) -> str:
                       f"{model_label(data['model'])}, each contender a fresh process as a user starts it: the prompt "
                       f"\"{data['prompt'][:40]}...\" (raw text, greedy), {data['new_tokens']} new tokens at most; "
                       f"medians of {data['repeats']} rounds after a warm-up, contenders alternating. Decode tok/s is "
-                      "each process's own report (after its first token); the times are wall clock from the start.",
+                      "each process's own report (after its first token), and so is prefill (from its prompt to "
+                      "its first token); the other times are wall clock from the start.",
                       data, header, body, notes)
 
 
