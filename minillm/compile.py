@@ -17,11 +17,11 @@ import sys
 from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_command
 
 # The verify graph the default build adds beside the decode graph: the command line's speculative defaults draft
-# up to 8 tokens (`python -m minillm.infer --speculative`), verified with the newest in one forward. One graph
-# serves every shorter draft (padded to it). Its matmuls are oneDNN's on weights packed at its first call (0.2 s):
-# measured through kept graphs on the 2-core AMD EPYC with AVX-512, a 9-token verify 24-25 ms (33 with Inductor's
-# generated kernels), a decode step 9-13.
-DEFAULT_VERIFY_TOKENS = 9
+# up to 7 tokens (`python -m minillm.infer --speculative`), verified with the newest in one forward. One graph
+# serves every shorter draft (padded to it). Measured through kept graphs on the 2-core AMD EPYC with AVX-512: a
+# 4-token verify 20.9 ms, 8 tokens 26.0, 9 33 (the generated matmul kernels run 8 rows, then the ninth alone), 16
+# 44.6, a decode step 13.5.
+DEFAULT_VERIFY_TOKENS = 8
 
 EPILOG = """examples:
   python -m minillm.compile                                # the default model, batch 1, runs of any length, and

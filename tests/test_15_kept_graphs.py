@@ -515,9 +515,9 @@ def test_a_quantized_model_runs_its_kernels_inside_the_kept_graphs(tmp_path, mon
 
 @pytest.mark.slow
 def test_a_kept_verify_step_on_onednn_packed_weights_gives_the_eager_logits(tmp_path, monkeypatch):
-    """A float32 model's several-row steps call oneDNN on packed weights (`matmuls="onednn"`, the choice for a model
-    of real size): the package calls `onednn_linear` from its C++ driver, each weight is packed once, at the first
-    call, and a 5-token verify gives the eager forward's logits (both libraries round differently)."""
+    """Matmuls "onednn" (a float32 model's choice for the server's step, over any number of rows), here in a verify
+    package: the package calls `onednn_linear` from its C++ driver, each weight is packed once, at the first call,
+    and a 5-token verify gives the eager forward's logits (the two libraries round differently)."""
     from minillm.runtime.session import DecodeSession
     from minillm.speed import onednn
 

@@ -127,7 +127,7 @@ class CompiledModel:
     def kept_verify_holding(self, shape: StepShape) -> StepShape | None:
         """The smallest verify step kept intact on disk for `shape`'s rows and cache length that holds more tokens
         than `shape` (a draft is padded to it: `verify_length`), or None: a run drafting 4 tokens verifies through
-        the default build's 9-token graph rather than eagerly."""
+        the default build's 8-token graph rather than eagerly."""
         for tokens in range(shape.tokens + 1, self.chunk + 1):
             wider = replace(shape, tokens=tokens, logits=tokens)
             if self.kept_problem(wider) is None:

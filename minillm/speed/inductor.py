@@ -56,19 +56,25 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
                                         54 timed: there the library's call and the generated kernel
                                         trade places by shape, so both are timed
 
-        several rows, float32,          a 9-token verify step: 33 ms timed (the generated kernels won), 56
-        2-core AMD EPYC (AVX-512)       with the library's call (MKL, its AVX2 kernels on an AMD CPU, on a
-                                        weight it has not packed), 26 with oneDNN's product on packed weights;
-                                        a decode step 13.5. The 30 layers' matmuls alone, 9 rows: MKL 36 ms,
-                                        oneDNN packed 12.4 (1 row: 24.4 and 10.3)
+        several rows, float32,          verify steps, timed (the generated kernels won): 4 tokens 20.9 ms, 8
+        2-core AMD EPYC (AVX-512)       26.0, 9 33 (8 rows and then the ninth alone), 16 44.6; a decode step
+                                        13.5. A 9-token step with the library's call (MKL, its AVX2 kernels on
+                                        an AMD CPU, on a weight it has not packed) 56 ms, with oneDNN's product
+                                        on weights packed at the first call 24.5, the packing 0.19 s once. The
+                                        30 layers' matmuls alone, 9 rows: MKL 36 ms, oneDNN packed 12.4
+
+        any number of rows, float32     the server's step (`PagedShape`): its rows are symbolic, so no kernel
+                                        is written for them and timing has nothing to time; the library's
+                                        call is MKL's on the weight as it lies, oneDNN's packed product a
+                                        long-running server packs once
 
         one row, int4, AVX2 CPU         Inductor has no generated kernel for `_weight_int4pack_mm_for_cpu`
                                         without AVX-512 (its C++ template offers no choice, and the build
                                         stops with NoValidChoicesError: `--quant gguf` on the AMD EPYC), so
                                         there the library's call stays in the running, timed
 
-    So one row gets generated kernels; several rows of a float32 model oneDNN's packed product (`onednn`),
-    of a quantized one timed kernels. A model of a few thousand weights
+    So one row gets generated kernels, a fixed number of rows timed ones, and any number of rows of a float32
+    model oneDNN's packed product (`onednn`; of a quantized one, timed). A model of a few thousand weights
     (the course's tiny test models) runs no faster with either and would triple its compile time, and
     on a GPU a decode step's matmuls are already cuBLAS kernels streaming near the bandwidth (what
     compiling buys there is one CUDA graph launch instead of hundreds of kernel launches): both keep
@@ -80,7 +86,7 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
         return "library"
     if rows == 1 and not (holds_int4_weights(model) and "AVX512" not in torch.backends.cpu.get_cpu_capability()):
         return "generated"
-    if rows != 1 and onednn_packs_float32(model) and not holds_quantized_weights(model):
+    if rows is None and onednn_packs_float32(model) and not holds_quantized_weights(model):
         return "onednn"
     return "timed"
 

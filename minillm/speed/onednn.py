@@ -30,9 +30,10 @@ prompt's hundreds of rows. Measured on the 2-core AMD EPYC with AVX-512 (Zen 5),
 model's 30 layers' matmuls over 805 rows: MKL 0.82 s, oneDNN 0.36 s plain and 0.35 s packed
 (MKL runs its AVX2 kernels on an AMD CPU, oneDNN its AVX-512 ones).
 
-A compiled step over several rows (a verify, a batch, the server's step) calls the same packed
-product as a library function, `onednn_linear`, which packs each weight the first time it meets it
-and keeps the copy while the weight lives (`linears_call_onednn`, `minillm.speed.inductor`).
+A compiled step over any number of rows (the server's, whose rows change from step to step) calls
+the same packed product as a library function, `onednn_linear`, which packs each weight the first
+time it meets it and keeps the copy while the weight lives (`linears_call_onednn`,
+`minillm.speed.inductor`).
 
 The products are the same dot products summed in another order: results differ from
 `F.linear` by float32 rounding, as any two BLAS libraries do. Everything else (GPUs,
@@ -117,8 +118,8 @@ def packed_for_graphs(weight: torch.Tensor):
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias by oneDNN on its packed copy of `weight`: a compiled step's matmul over several rows,
-    which Inductor calls as a library function, `torch.ops.minillm.onednn_linear` (its C++ driver calls back into
+    """x @ weight.T + bias by oneDNN on its packed copy of `weight`: a compiled step's matmul over any number of
+    rows, which Inductor calls as a library function, `torch.ops.minillm.onednn_linear` (its C++ driver calls back into
     this one)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_for_graphs(weight), bias, "none", [], "")
 
