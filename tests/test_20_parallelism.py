@@ -91,6 +91,28 @@ def test_sharded_ranks_compute_what_one_process_does(kind, world, tmp_path):
         assert got["parameters"] < sum(p.numel() for p in whole.parameters()) / world * 1.5
 
 
+MESSAGES = [("session", "extend", ([[1, 2]],), {}), list(range(5000)), "stop"]  # a step, a long prompt's ids, stop
+
+
+def message_run(group, out: str) -> None:
+    """Rank 0 announces MESSAGES, the other ranks receive them; each counts its broadcasts."""
+    from minillm.parallel import follow as messages
+
+    broadcasts, broadcast = [], messages.dist.broadcast
+    messages.dist.broadcast = lambda *args, **kwargs: broadcasts.append(1) or broadcast(*args, **kwargs)
+    got = [messages.announce(m) for m in MESSAGES] if group.leader else [messages.received() for _ in MESSAGES]
+    torch.save({"got": got, "broadcasts": len(broadcasts)}, f"{out}/rank{group.rank}.pt")
+
+
+def test_an_announced_message_is_one_broadcast_unless_it_is_long(tmp_path):
+    """What the followers receive is what rank 0 announced; a step's message costs one collective, as the cost model
+    counts it (`broadcast_object_list` takes two), and only one longer than a broadcast's bytes takes a second."""
+    spawn_ranks(2, message_run, str(tmp_path), timeout=60)
+    leader, follower = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert follower["got"] == MESSAGES
+    assert leader["broadcasts"] == follower["broadcasts"] == len(MESSAGES) + 1
+
+
 def test_the_split_holds_each_head_unit_and_row_once():
     """Brute force: over the ranks, every query head, hidden unit and vocabulary row is held exactly once; each
     rank's key/value heads are the ones its query heads read (query head h reads h // (H / KV))."""

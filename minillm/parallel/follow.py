@@ -8,17 +8,26 @@ on that runner's cache session (prefill, extend, rollback, select ...) or, for t
 engine's paged cache, each packed step. A follower (`follow`) builds the same runner
 over its own shard and makes the same calls on it, so its cache holds the same
 positions of its own heads, and its forwards meet rank 0's in each collective. The
-messages are small (token ids, positions, block tables): they travel through
-torch.distributed's own `broadcast_object_list` over the same group, never a channel of
-our own. Followers keep one runner, the latest: a command's runners come one after another.
+messages are small (token ids, positions, block tables): each travels pickled in one
+torch.distributed broadcast of `MESSAGE_BYTES` over the same group, its length first, never a
+channel of our own. So an announced step waits in one collective more, as the cost model
+counts it (`torch.distributed.broadcast_object_list` sends the length and the pickle in two);
+only a longer message (a long prompt's ids) takes a second broadcast. Followers keep one
+runner, the latest: a command's runners come one after another.
 """
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+
+import torch
 import torch.distributed as dist
 
 STOP = "stop"
 NEW_RUNNER = "new runner"  # any other message names its target: "session" or "runner"
+MESSAGE_BYTES = 4096  # one broadcast's bytes: the pickle's length, then the pickle if it fits
+LENGTH_BYTES = 8
 
 
 def leads(model) -> bool:
@@ -33,17 +42,54 @@ class RanksLost(RuntimeError):
 def announce(message) -> None:
     """Rank 0: send `message` to every follower (each is inside `follow`, waiting for it). A follower that is gone
     fails the send: `RanksLost`, which a server turns into 503s rather than retrying a group that cannot step."""
+    data = pickle.dumps(message)
+    head = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    head[:LENGTH_BYTES] = as_bytes(len(data).to_bytes(LENGTH_BYTES, "little"))
+    fits = len(data) <= MESSAGE_BYTES - LENGTH_BYTES
+    if fits:
+        head[LENGTH_BYTES:LENGTH_BYTES + len(data)] = as_bytes(data)
+    with group_answering():
+        dist.broadcast(head.to(group_device()), src=0)
+        if not fits:
+            dist.broadcast(as_bytes(data).to(group_device()), src=0)
+
+
+@contextlib.contextmanager
+def group_answering():
+    """Rank 0, around its collectives: one that fails because a rank is gone (gloo: "Connection closed by peer", or
+    a timeout; NCCL's own words) raises `RanksLost`. A broadcast may leave before a dead rank is noticed, so the
+    step's first all-reduce can be the collective that finds out."""
     try:
-        dist.broadcast_object_list([message], src=0)
-    except RuntimeError as error:  # gloo: "Connection closed by peer", or a timeout
-        raise RanksLost(f"a rank of the tensor-parallel group stopped answering ({str(error).splitlines()[0]})") \
-            from error
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        if "gloo" not in text and "NCCL" not in text and "Connection closed" not in text:
+            raise  # not the group's failure: a bug, reported as it is
+        raise RanksLost(f"a rank of the tensor-parallel group stopped answering ({text.splitlines()[0]})") from error
 
 
 def received():
-    message = [None]
-    dist.broadcast_object_list(message, src=0)
-    return message[0]
+    """A follower: the next message rank 0 `announce`s (waits for it)."""
+    head = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=group_device())
+    dist.broadcast(head, src=0)
+    head = head.cpu()
+    length = int.from_bytes(head[:LENGTH_BYTES].numpy().tobytes(), "little")
+    if length <= MESSAGE_BYTES - LENGTH_BYTES:
+        return pickle.loads(head[LENGTH_BYTES:LENGTH_BYTES + length].numpy().tobytes())
+    body = torch.empty(length, dtype=torch.uint8, device=group_device())
+    dist.broadcast(body, src=0)
+    return pickle.loads(body.cpu().numpy().tobytes())
+
+
+def as_bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def group_device() -> torch.device:
+    """Where the group's collectives take their tensors: NCCL's on this rank's GPU, gloo's on the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def announce_runner(settings: dict) -> None:

@@ -51,7 +51,7 @@ import torch
 
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..model.attention import uses_default_attention
-from ..parallel.follow import Announced, announce, announce_runner, leads
+from ..parallel.follow import Announced, announce, announce_runner, group_answering, leads
 from ..speed.compile import compile_model
 from ..speed.graph_forward import graph_problem
 from ..speed.huge_pages import place_deferred, placement_deferred
@@ -236,7 +236,7 @@ class ModelRunner:
 
     def keep_alive(self) -> None:
         """Rank 0 of a sharded model, while no request runs: tell the other ranks it is still there (each waits for
-        its next call under the group's timeout), and find out whether they are (`RanksLost` if one is gone)."""
+        its next call under the group's timeout); a rank gone raises `RanksLost` here or at the next step."""
         if self.leads:
             announce(("runner", "keep_alive", (), {}))
 
@@ -247,6 +247,12 @@ class ModelRunner:
         (source, destination) blocks copy-on-write asks for, copied first."""
         if self.leads:
             announce(("runner", "step", (packed, tokens, logits_at), {"copies": copies}))
+            with group_answering():  # a rank gone is found by the broadcast or by the forward's first all-reduce
+                return self._step(packed, tokens, logits_at, copies)
+        return self._step(packed, tokens, logits_at, copies)
+
+    def _step(self, packed: PackedSequences, tokens: torch.Tensor, logits_at: torch.Tensor,
+              copies: list[tuple[int, int]]) -> torch.Tensor:
         self.cache.copy_blocks(copies)
         if self.decode_step is not None and len(packed.decode_queries) == packed.num_tokens:
             # Every sequence feeds one token (row entry i is sequence i's): the compiled step, logits [D, 1, V].
