@@ -172,13 +172,12 @@ def run(args) -> dict:
     rows = {}
     for name, runs in records.items():
         runs = runs[1:]  # the warm-up round is dropped, as `alternate` drops its time
-        rates = [r["decode_tokens_per_second"] for r in runs]
+        rates, prefills = [r["decode_tokens_per_second"] for r in runs], [r["prefill_seconds"] for r in runs]
         seconds = [r["seconds"] for r in runs]
         rows[name] = {"seconds": median(seconds), "seconds_per_repeat": seconds,
                       "first_text_seconds": median([r["first_text_seconds"] for r in runs]),
-                      "prefill_seconds": (median([r["prefill_seconds"] for r in runs])
-                                          if all(r["prefill_seconds"] is not None for r in runs) else None),
-                      "prefill_seconds_per_repeat": [r["prefill_seconds"] for r in runs],
+                      "prefill_seconds": None if None in prefills else median(prefills),
+                      "prefill_seconds_per_repeat": prefills,
                       "decode_tokens_per_second": median(rates), "decode_tokens_per_second_per_repeat": rates,
                       "decode_tokens": runs[-1]["decode_tokens"], "path": runs[-1]["path"], "text": runs[-1]["text"],
                       **{key: runs[-1][key] for key in ("tokens_per_target_forward", "verified_eagerly")

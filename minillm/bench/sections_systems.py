@@ -264,11 +264,10 @@ def cli_section(title: str, data: dict, links: dict) -> str:
                                f"runs: {beyond}. llama.cpp's processes import no torch."))
     long, llama_long = rows.get("minillm long-prompt compiled"), rows.get("llama.cpp long-prompt F32")
     if long and llama_long:
-        prefills = ""
-        if long.get("prefill_seconds") and llama_long.get("prefill_seconds"):  # runs since each process reported it
-            prefills = (f"; its prefill (each process's own time from the prompt to the first token, the model "
-                        f"loaded) {long['prefill_seconds']:.2f} s against {llama_long['prefill_seconds']:.2f} s, "
-                        f"{md.times(llama_long['prefill_seconds'] / long['prefill_seconds'])} llama.cpp's rate")
+        ours, theirs = long.get("prefill_seconds"), llama_long.get("prefill_seconds")  # None before processes said
+        prefills = (f"; its prefill (each process's own time from the prompt to the first token, the model loaded) "
+                    f"{ours:.2f} s against {theirs:.2f} s, {md.times(theirs / ours)} llama.cpp's rate"
+                    if ours and theirs else "")
         notes.append(md.bullet(f"The long prompt (the batch suite's paragraph three times, about 800 tokens): start "
                                f"to first text {long['first_text_seconds']:.2f} s compiled against llama.cpp F32's "
                                f"{llama_long['first_text_seconds']:.2f} s{prefills}."))

@@ -84,7 +84,6 @@ class CompiledModel:
         self.packages = {}
         self.only_prepared = kept
         self._matmuls_by_rows = {}  # matmul_kernels' answer per rows, asked once (it walks the model's tensors)
-        self._onednn_step = None  # `traced_module("onednn")`, made when a package of it is built
         if kept:  # the traced copy is made only if a package must be built: loading one needs no copy
             return
         # Dynamo re-checks, before every call, that nothing it traced has changed: for a module that is
@@ -103,14 +102,14 @@ class CompiledModel:
         set_attention_backend(graph_model, make_backend("naive"))
         return CacheStep(graph_model).eval()
 
+    @functools.cached_property
+    def onednn_step_module(self) -> CacheStep:
+        """`step_module` with its linears calling oneDNN's product on packed weights (`linears_call_onednn`)."""
+        return CacheStep(linears_call_onednn(copy.deepcopy(self.step_module.model))).eval()
+
     def traced_module(self, matmuls: str) -> CacheStep:
-        """What a package whose matmuls are `matmuls` traces: `step_module`, or for "onednn" a copy of it whose
-        linears call oneDNN's product on packed weights (`linears_call_onednn`)."""
-        if matmuls != "onednn":
-            return self.step_module
-        if self._onednn_step is None:
-            self._onednn_step = CacheStep(linears_call_onednn(copy.deepcopy(self.step_module.model))).eval()
-        return self._onednn_step
+        """What a package whose matmuls are `matmuls` traces (made only when one is built)."""
+        return self.onednn_step_module if matmuls == "onednn" else self.step_module
 
     def prepared_for(self, shape: StepShape):
         """What `prepare` made ready to run a step of `shape`: its own package, or one for any cache length; or None."""

@@ -76,10 +76,9 @@ class OneDNNLinear(nn.Linear):
         w = self.weight
         if not self.packs:
             return w
-        key = (w.data_ptr(), w.shape, None if w.is_inference() else w._version)
+        key = weight_stamp(w)
         if getattr(self, "_packed_key", None) != key:
-            # batch_size is the row count the layout is tuned for: small, as in decoding.
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+            self._packed = packed_copy(w)
             self._packed_key = key
         return self._packed
 
@@ -104,16 +103,26 @@ class UnpackedOneDNNLinear(OneDNNLinear):
     packs = False
 
 
-# weight -> (its address and version when packed, oneDNN's packed copy): held while the weight lives
+def weight_stamp(weight: torch.Tensor) -> tuple:
+    """What changes when a weight is replaced or edited in place: a packed copy made under another stamp is stale."""
+    return weight.data_ptr(), weight.shape, None if weight.is_inference() else weight._version
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's copy of `weight` in the blocked layout its kernels read; batch_size is the row count the layout is
+    tuned for: small, as in decoding."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+
+
+# weight -> (its stamp when packed, oneDNN's packed copy): held while the weight lives
 _PACKED_FOR_GRAPHS = WeakIdKeyDictionary()
 
 
 def packed_for_graphs(weight: torch.Tensor):
     """oneDNN's packed copy of `weight`, made the first time a compiled step multiplies it (and again if it changed)."""
-    stamp = (weight.data_ptr(), None if weight.is_inference() else weight._version)
     entry = _PACKED_FOR_GRAPHS.get(weight)
-    if entry is None or entry[0] != stamp:
-        entry = _PACKED_FOR_GRAPHS[weight] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16))
+    if entry is None or entry[0] != weight_stamp(weight):
+        entry = _PACKED_FOR_GRAPHS[weight] = (weight_stamp(weight), packed_copy(weight))
     return entry[1]
 
 
@@ -202,5 +211,5 @@ def uses_onednn(model: nn.Module) -> bool:
 
 
 __all__ = ["MKL_MAX_ROWS", "GraphOneDNNLinear", "OneDNNLinear", "UnpackedOneDNNLinear", "libraries_stream_matvecs",
-           "linears_call_onednn", "onednn_linear", "onednn_packs_float32", "packed_for_graphs", "use_onednn",
-           "use_plain_linear", "use_unpacked_onednn", "uses_onednn"]
+           "linears_call_onednn", "onednn_linear", "onednn_packs_float32", "packed_copy", "packed_for_graphs",
+           "use_onednn", "use_plain_linear", "use_unpacked_onednn", "uses_onednn", "weight_stamp"]
