@@ -134,7 +134,19 @@ def run(args) -> int:
         seconds = compiled.prepare([shape])
         folder = compiled.packages[shape].folder
         print(f"{shape.name}: ready in {seconds:.1f} s ({folder})")
+    write_bytecode()
     return 0
+
+
+def write_bytecode() -> None:
+    """Byte-compile the package's modules once, as pip does when it installs a package. A clone run where
+    PYTHONDONTWRITEBYTECODE is set (as on the course's machines) would otherwise compile its hundred-odd modules from
+    source at every start: 0.17 s of a one-shot run on the 2-core AMD EPYC. Python checks each file's stamp against
+    its source, so an edited module is compiled afresh; a package folder that cannot be written is left as it is."""
+    import compileall
+    from pathlib import Path
+
+    compileall.compile_dir(Path(__file__).parent, quiet=2)
 
 
 def main(argv=None) -> int:

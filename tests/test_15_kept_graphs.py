@@ -402,6 +402,35 @@ def test_the_command_lines_explain_and_check_the_graph_flags(capsys):
     assert serve_main(["--compile", "--eager"]) == 2
 
 
+def test_the_build_command_leaves_every_module_byte_compiled(tmp_path):
+    """`python -m minillm.compile` writes the bytecode a later start reads, even where PYTHONDONTWRITEBYTECODE is
+    set; an edited module's stale bytecode is compiled afresh."""
+    import importlib.util
+
+    from minillm.compile import write_bytecode
+
+    modules = sorted((REPO / "minillm").rglob("*.py"))
+    edited = REPO / "minillm" / "base" / "jsonio.py"
+    stale = Path(importlib.util.cache_from_source(str(edited)))
+    if stale.exists():
+        stale.unlink()
+    write_bytecode()
+    missing = [m for m in modules if not Path(importlib.util.cache_from_source(str(m))).exists()]
+    assert not missing, missing
+    source_stamp = int(edited.stat().st_mtime) & 0xFFFFFFFF
+    assert int.from_bytes(stale.read_bytes()[8:12], "little") == source_stamp  # the pyc names its source's stamp
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_importing_the_package_freezes_what_torch_made_and_leaves_collection_as_it_was(collecting):
+    script = ("import gc\n" + ("" if collecting else "gc.disable()\n") +
+              "import minillm\nprint(gc.isenabled(), gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=REPO).stdout.split()
+    assert out[0] == str(collecting)
+    assert int(out[1]) > 100_000  # what importing torch and the package made (about 260,000 objects)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "lookahead"])
 def test_speculative_rounds_verify_through_a_kept_graph_with_the_eager_tokens(kept_home, drafter):
@@ -519,7 +548,6 @@ def test_a_kept_verify_step_on_onednn_packed_weights_gives_the_eager_logits(tmp_
     package: the package calls `onednn_linear` from its C++ driver, each weight is packed once, at the first call,
     and a 5-token verify gives the eager forward's logits (the two libraries round differently)."""
     from minillm.runtime.session import DecodeSession
-    from minillm.speed import onednn
 
     monkeypatch.setenv("MINILLM_HOME", str(tmp_path))
     _, model = tiny_pair("llama", context_length=256)
