@@ -173,6 +173,41 @@ def test_each_choice_of_matmul_kernels_runs_what_it_names(matmuls):
     torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
 
 
+def test_the_float_matmul_kernel_asks_for_its_weight_rows_ahead_only_while_compiling():
+    """Inside the compile settings Inductor's float micro-kernel prefetches the weight row `PREFETCH_ROWS` rows on,
+    once, in its float load and nowhere else; outside them its text is Inductor's own."""
+    import torch._inductor.select_algorithm  # noqa: F401  (imported before the template modules, as torch does)
+    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
+
+    from minillm.speed.inductor import PREFETCH_ROWS, WEIGHT_ROW_LOAD, inductor_settings
+
+    own = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+    assert own.count(WEIGHT_ROW_LOAD) == 1  # the pinned torch's text, as the patch expects it
+    with inductor_settings("generated", "cpu"):
+        patched = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+    prefetch = f"_mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_ROWS}) * ldb + col * VLEN), _MM_HINT_T0);"
+    assert patched.count(prefetch) == 1 and patched.replace(prefetch, "").split() == own.split()
+    assert patched.index(prefetch) < patched.index("vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);")
+    assert CppMicroGemmFP32Vec.TEMPLATE_KERNEL is own
+
+
+@pytest.mark.slow
+def test_a_generated_matmul_over_eight_rows_prefetches_and_gives_the_eager_product():
+    """A verify step's case: a million-weight linear over 8 rows through the generated kernel, which asks for its
+    weight rows ahead (`weights_prefetched`) and still computes the eager product."""
+    from torch._inductor.utils import run_and_get_code
+
+    from minillm.speed.inductor import PREFETCH_ROWS, inductor_settings
+
+    linear = torch.nn.Linear(1024, 1024, bias=False).requires_grad_(False).eval()
+    x = torch.randn(8, 1024)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_settings("generated", "cpu"):
+        out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x)
+    assert f"B + (k + {PREFETCH_ROWS}) * ldb" in "\n".join(code)
+    torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+
+
 def test_the_template_index_texts_are_parsed_once_to_the_same_expressions():
     """Inside the compile settings the matmul template's index parser is the kept one: each distinct text is parsed by
     Inductor's own parser once, and every answer (texts, numbers, lists of them, expressions passed through) equals
