@@ -20,7 +20,8 @@ from .base.commands import OneLineParser, add_model_flags, add_quant_flag, run_c
 # up to 7 tokens (`python -m minillm.infer --speculative`), verified with the newest in one forward. One graph
 # serves every shorter draft (padded to it). Measured through kept graphs on the 2-core AMD EPYC with AVX-512: a
 # 4-token verify 20.9 ms, 8 tokens 26.0, 9 33 (the generated matmul kernels run 8 rows, then the ninth alone), 16
-# 44.6, a decode step 13.5.
+# 44.6, a decode step 13.5; since the generated kernels prefetch their weight rows, 8 tokens 23.3 ms against a
+# decode step's 8.0 (`minillm.speed.inductor.weights_prefetched`).
 DEFAULT_VERIFY_TOKENS = 8
 
 EPILOG = """examples:
