@@ -36,9 +36,10 @@ from .drafters import Draft, Drafter
 
 MAX_PAUSE = 16  # the most plain steps an adaptive run takes between drafts that keep failing
 # The accepted tokens a round needs to pay for its verify forward: through the kept graphs an 8-token verify costs
-# two to three decode steps (26 against 13.5 ms on the 2-core AMD EPYC with AVX-512; 23.3 against 8.0 in a faster
-# hour of the same machine), so a round that accepts one token does not pay and one that accepts two about breaks
-# even. A draft shorter than this pays when all of it is accepted.
+# one and a half to three decode steps on the 2-core AMD EPYC with AVX-512 (the `cli` suite's copy-heavy rounds 1.5;
+# 23.3 against 8.0 ms in an hour when the decode step ran faster and the verify's arithmetic did not), so a round
+# that accepts one token pays little or nothing and one that accepts two pays in either hour. A draft shorter than
+# this pays when all of it is accepted.
 PAYING_ACCEPTS = 2
 
 
