@@ -141,6 +141,9 @@ def test_a_split_the_shapes_do_not_allow_is_refused_in_one_line():
     check_split(ModelConfig(n_head=4, n_kv_head=1, d_model=640, head_dim=256, d_ff=2048), 2)  # Gemma 3 270M: repeat
     with pytest.raises(ValueError, match=r"MLP's 100 hidden units"):
         check_split(ModelConfig(n_head=8, d_model=64, d_ff=100), 8)
+    with pytest.raises(ValueError, match=r"^--tp 9 does not divide the MLP's 1536 hidden units: use a divisor of both 9 "
+                                         r"and 1536 \(1, 3\)$"):  # the default model's shapes
+        check_split(ModelConfig(n_head=9, n_kv_head=3, d_model=576, d_ff=1536), 9)
     experts = dict(n_head=4, n_kv_head=2, d_model=32, d_ff=64, num_experts=4, experts_per_token=2)
     with pytest.raises(ValueError, match=r"^--tp 4 does not divide each expert's 30 hidden units: use a divisor of "
                                          r"30$"):
@@ -195,6 +198,9 @@ def test_a_split_the_model_does_not_allow_and_a_rank_that_dies_are_one_line():
     refused = cli("--prompt", "Hi", "--tp", "2")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "minillm: error: --tp 2 does not divide the model's 9 attention heads: use a divisor of 9 (1, 3, 9)"]
+    refused = cli("--prompt", "Hi", "--tp", "9")  # more ranks than cores, too: refused before any note on sharing them
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "minillm: error: --tp 9 does not divide the MLP's 1536 hidden units: use a divisor of both 9 and 1536 (1, 3)"]
     run = subprocess.Popen([sys.executable, "-m", "minillm.infer", "--no-chat", "--prompt", "Once upon a time",
                             "--max-new-tokens", "2000", "--slide", "--tp", "3"], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

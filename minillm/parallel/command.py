@@ -82,10 +82,6 @@ def command_group(world: int, device: str) -> tuple[Group, Workers | None]:
     """Join the group of a command run with `--tp world`: torchrun's, or one whose other ranks this process starts
     now (then it is rank 0). Each CPU rank computes with its share of the cores (at least one thread)."""
     check_ranks(world, device)
-    cores = os.cpu_count() or 1
-    if device == "cpu" and world > cores and rank_of_this_command() == 0:  # runs, but the ranks take turns
-        print(f"minillm: note: {world} ranks share {cores} cores: each rank computes on a core some of the time, and "
-              f"every all-reduce waits for the slowest (one process is faster here; lesson 20)", file=sys.stderr)
     workers = None if launched_world() else Workers(world, ["-m", main_module(), *sys.argv[1:]])
     group = join(device)  # a server's idle rank 0 says it is there every minute (`AsyncEngine`): 600 s is ample
     if device.startswith("cuda"):
@@ -103,11 +99,17 @@ def main_module() -> str:
 
 def shard_loaded(model, group: Group, fast: bool):
     """Keep `group.rank`'s shard of a model loaded whole without fast paths, then give the shard the CPU's fast
-    paths (oneDNN linears, huge pages) as `load_model` gives a whole model."""
+    paths (oneDNN linears, huge pages) as `load_model` gives a whole model. The whole model is read through a
+    mapping of its file that every rank shares: a rank's own memory holds only its shard (the default model on
+    rank 1 of 3: 181 MB before sharding, 356 MB after, the shard's weights being 179 MB)."""
     from ..speed.huge_pages import model_into_huge_pages
     from ..speed.onednn import use_onednn
 
-    shard_model(model, group.rank, group.world)
+    shard_model(model, group.rank, group.world)  # a split the model does not allow is refused here, in one line
+    cores = os.cpu_count() or 1
+    if model.device.type == "cpu" and group.world > cores and group.leader:  # it runs, but the ranks take turns
+        print(f"minillm: note: {group.world} ranks share {cores} cores: each rank computes on a core some of the time, "
+              f"and every all-reduce waits for the slowest (one process is faster here; lesson 20)", file=sys.stderr)
     if fast and model.device.type == "cpu":
         if model.dtype == torch.float32:
             use_onednn(model)

@@ -114,7 +114,9 @@ def check_split(config, world: int) -> None:
         if units % world:
             raise ValueError(f"--tp {world} does not divide {what} {units} hidden units: use a divisor of {units}")
     if config.ff_size % world:
-        raise ValueError(f"--tp {world} does not divide the MLP's {config.ff_size} hidden units")
+        fitting = [str(d) for d in divisors(config.n_head) if config.ff_size % d == 0]
+        raise ValueError(f"--tp {world} does not divide the MLP's {config.ff_size} hidden units: use a divisor of both "
+                         f"{config.n_head} and {config.ff_size} ({', '.join(fitting)})")
 
 
 def divisors(n: int) -> list[int]:

@@ -221,8 +221,8 @@ def _prefetching(template: str) -> str:
     """Inductor's float micro-kernel text with a prefetch before each weight row's load (`weights_prefetched`)."""
     if template.count(WEIGHT_ROW_LOAD) != 1:
         return template
-    prefetch = (f"            _mm_prefetch(reinterpret_cast<const char*>(B + (k + {PREFETCH_ROWS}) * ldb + col * VLEN), "
-                f"_MM_HINT_T0);\n")
+    ahead = f"B + (k + {PREFETCH_ROWS}) * ldb + col * VLEN"
+    prefetch = f"            _mm_prefetch(reinterpret_cast<const char*>({ahead}), _MM_HINT_T0);\n"
     load = WEIGHT_ROW_LOAD.splitlines()
     return template.replace(WEIGHT_ROW_LOAD, "\n".join([load[0], prefetch + load[1], load[2]]))
 
