@@ -665,7 +665,8 @@ def write_gguf(path, tensors: dict, file_type: int = 3) -> None:
 
 
 def test_gguf_copies_for_llama_cpp_keep_the_weights_and_the_metadata(tmp_path, monkeypatch):
-    """The F32 copy holds exactly the dequantized weights; Q8_0 within its half-step; norms and metadata as they were."""
+    """The F32 copy holds exactly the dequantized weights; Q8_0 within its half-step, BF16 within its rounding (half
+    a unit in its 8-bit mantissa); norms and metadata as they were."""
     import gguf
 
     from minillm.bench.llama_cpp import gguf_as
@@ -678,7 +679,7 @@ def test_gguf_copies_for_llama_cpp_keep_the_weights_and_the_metadata(tmp_path, m
     write_gguf(source, {"blk.0.ffn_down.weight": (gguf.quants.quantize(weight, Q4_1), Q4_1),
                         "blk.0.attn_norm.weight": (norm, F32)})
     stored = gguf.quants.dequantize(gguf.GGUFReader(source).tensors[0].data, Q4_1)  # what minillm loads
-    for kind, tolerance in (("F32", 0.0), ("Q8_0", None)):
+    for kind, tolerance in (("F32", 0.0), ("Q8_0", None), ("BF16", np.abs(stored).max() * 2.0**-8)):
         copy_path = gguf_as(source, kind)
         reader = gguf.GGUFReader(copy_path)
         tensors = {t.name: t for t in reader.tensors}
@@ -688,11 +689,12 @@ def test_gguf_copies_for_llama_cpp_keep_the_weights_and_the_metadata(tmp_path, m
         bound = tolerance if tolerance is not None else np.abs(stored).max() / 127 / 2 * 1.01  # Q8_0: half a step
         assert np.abs(values - stored).max() <= bound
         np.testing.assert_array_equal(kept.data, norm)
-        assert reader.fields["general.file_type"].contents() == {"F32": 0, "Q8_0": 7}[kind]
+        assert reader.fields["general.file_type"].contents() == {"F32": 0, "Q8_0": 7, "BF16": 32}[kind]
         assert reader.fields["tokenizer.ggml.tokens"].contents() == ["<a>", "<b>"]
         assert gguf_as(source, kind) == copy_path  # made once
-    assert sorted(p.name for p in copy_path.parent.iterdir()) == ["model.Q4_1.F32.gguf", "model.Q4_1.Q8_0.gguf"]
-    with pytest.raises(ValueError, match="choose one of F32, Q8_0"):
+    assert sorted(p.name for p in copy_path.parent.iterdir()) == ["model.Q4_1.BF16.gguf", "model.Q4_1.F32.gguf",
+                                                                  "model.Q4_1.Q8_0.gguf"]
+    with pytest.raises(ValueError, match="choose one of F32, Q8_0, BF16"):
         gguf_as(source, "Q2_K")
 
 

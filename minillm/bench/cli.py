@@ -81,7 +81,7 @@ EXAMPLES = """examples:
 # Options that only some commands use, and those commands: giving one elsewhere is an error, not a no-op.
 OPTION_COMMANDS = {**{name: set(SUITES) for name in ("model", "device", "quick", "repeats")},
                    "ks": {"speculative"}, "drafts": {"speculative"}, "against": {"regression"},
-                   "threads": {"serve-vs-llamacpp"},
+                   "threads": {"serve-vs-llamacpp"}, "llama_bench": {"decode"},
                    "readme": {"report"}, "check": {"report"}, "plots": {"report"}}
 
 
@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                              help="draft models, comma-separated: dtype:bfloat16 (the target in BF16), "
                                   "layers:N (its first N blocks) (default: dtype:bfloat16,layers:24; "
                                   "with --quick: dtype:bfloat16)")
+    decode = p.add_argument_group("decode only")
+    decode.add_argument("--llama-bench", type=Path, default=None, metavar="PATH",
+                        help="llama.cpp's benchmark program (llama-bench): time llama.cpp in the same rounds, on the "
+                             "GGUF as F32 and BF16, where llama-cpp-python is not built (a GPU machine: "
+                             "../shared/gpu/llama_src.sh stages its source)")
     servers = p.add_argument_group("serve-vs-llamacpp only")
     servers.add_argument("--threads", type=int, default=None, metavar="N",
                          help="threads each server computes with (minillm through OMP_NUM_THREADS, llama.cpp through "

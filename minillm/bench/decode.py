@@ -13,6 +13,8 @@ produce exactly `new_tokens` tokens):
                                       captured as one CUDA graph (lesson 15), what `--compile` runs there
     transformers                      `generate`, its default dynamic cache
     transformers static               `generate(cache_implementation="static")`
+    llama.cpp                         with --llama-bench PATH: llama.cpp's own benchmark program on the GGUF
+                                      as F32 / BF16, one process a round (`minillm.bench.llama_bench`)
 
 in float32 and bfloat16 (lesson 05). Decode tokens/s counts the tokens after the
 first one over the time after the first one, for both libraries (transformers'
@@ -20,6 +22,7 @@ streamer timestamps its tokens). Plus: prefill time of a 512-token prompt.
 
     python -m minillm.bench decode            # 128 prompt + 128 new tokens, 512-token prefill
     python -m minillm.bench decode --quick    # 32 + 16, 128-token prefill, float32 + minillm bf16
+    python -m minillm.bench decode --device cuda --llama-bench /root/llama/build/bin/llama-bench
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from ..runtime.sequence import Sequence
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import alternate, finish_figure, median, plot_title, spread
+from .llama_bench import GGUF_TYPE, LlamaBench, llama_bench_problem
+from .llama_cpp import gguf_as
 
 FULL = (128, 128, 512)  # a full run's prompt tokens, new tokens, and the prefill's prompt (--quick: 32, 16, 128)
 
@@ -104,12 +109,17 @@ def run(args) -> dict:
 
     from ..model.loading import resolve_checkpoint_folder
     from ..speed.load import load_model
+    from ..speed.quant_gguf import gguf_path_for
 
     quick = args.quick
     prompt_tokens, new_tokens, prefill_tokens = (32, 16, 128) if quick else FULL
     repeats = 1 if quick else args.repeats
     dtypes = ("float32", "bfloat16")
     folder = resolve_checkpoint_folder(args.model)
+    program = getattr(args, "llama_bench", None)
+    llama = llama_bench_problem(program)  # None: llama.cpp runs in these rounds
+    if program is not None and llama is not None:
+        raise ValueError(llama)
     bandwidth = measure_memory_bandwidth(device=args.device)
 
     results, prefill = {}, None
@@ -136,6 +146,10 @@ def run(args) -> dict:
             contenders["transformers static"] = _transformers(hf_model, prompt, new_tokens, args.device,
                                                               records.setdefault("transformers static", []),
                                                               cache_implementation="static")
+        if llama is None:  # the same weights in llama.cpp's file of this precision
+            gguf = gguf_as(gguf_path_for(args.model), GGUF_TYPE[dtype])
+            contenders["llama.cpp"] = LlamaBench(program, gguf, prompt_tokens, new_tokens, args.device,
+                                                 torch.get_num_threads())
         times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode {dtype}")
         weight_bytes = model.num_weight_bytes()
         rows = {}
@@ -163,7 +177,8 @@ def run(args) -> dict:
                   f"transformers {prefill['transformers']:.3f} s", flush=True)
         del model, hf_model
 
-    return {"model": args.model, "quick": quick, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats,
+    return {"model": args.model, "quick": quick, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+            "repeats": repeats, "llama_cpp": llama,
             "memory_bandwidth_gb_s": bandwidth / 1e9, "results": results,
             "prefill": {"tokens": prefill_tokens, "seconds": prefill,
                         "speedup_vs_transformers": prefill["transformers"] / prefill["minillm"]}}
@@ -183,7 +198,8 @@ def plot(data: dict, path=None):
         speeds = [res["contenders"][n]["tokens_per_second"] for n in names]
         per_repeat = [[(data["new_tokens"] - 1) / s for s in res["contenders"][n].get("decode_seconds_per_repeat", [])]
                       for n in names]
-        colors = ["tab:blue" if n.startswith("minillm") else "tab:orange" for n in names]
+        colors = ["tab:blue" if n.startswith("minillm") else "tab:green" if n == "llama.cpp" else "tab:orange"
+                  for n in names]
         bars = ax.bar(range(len(names)), speeds, color=colors, yerr=spread(speeds, per_repeat), capsize=4)
         for bar, n in zip(bars, names):  # inside the bar, clear of the whiskers
             ax.annotate(f"{res['contenders'][n]['roofline_fraction']:.0%}", (bar.get_x() + bar.get_width() / 2,

@@ -36,7 +36,7 @@ from ..base.files import minillm_home, remove, temporary_path
 from ..base.ports import free_port
 from .server import ServerProcess
 
-FILE_TYPES = {"F32": 0, "Q8_0": 7}  # general.file_type: llama.cpp's LLAMA_FTYPE_ALL_F32, _MOSTLY_Q8_0
+FILE_TYPES = {"F32": 0, "Q8_0": 7, "BF16": 32}  # general.file_type: LLAMA_FTYPE_ALL_F32, _MOSTLY_Q8_0, _MOSTLY_BF16
 LLAMA_FILE_TYPES = {"Q4_K_M": 15}  # what llama.cpp's quantizer makes: its LLAMA_FTYPE_MOSTLY_Q4_K_M
 # What llama-cpp-python's [server] extra adds, at versions that run beside requirements.txt's fastapi and uvicorn
 SERVER_EXTRAS = "sse-starlette==3.7.0 starlette-context==0.3.6 pydantic-settings==2.16.3"
@@ -107,7 +107,8 @@ def quantized_by_llama_cpp(source: Path, file_type: str = "Q4_K_M") -> Path:
 
 
 def gguf_as(source: Path, tensor_type: str) -> Path:
-    """`source` with its quantized weights stored as `tensor_type` ("F32" or "Q8_0"), converted once and cached."""
+    """`source` with its quantized weights stored as `tensor_type` ("F32", "Q8_0" or "BF16"), converted once and
+    cached."""
     import gguf
     from tqdm import tqdm
 

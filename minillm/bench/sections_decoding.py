@@ -16,14 +16,19 @@ from .common import model_label
 def decode_section(title: str, data: dict, links: dict) -> str:
     results = data["results"]
     names = list(dict.fromkeys(name for res in results.values() for name in res["contenders"]))
+    peers = ["transformers", *(["llama.cpp"] if "llama.cpp" in names else [])]  # llama.cpp: with --llama-bench
     rows = []
     for dtype, res in results.items():
         speeds = _speeds(res)
-        minillm, transformers = _fastest(speeds, "minillm"), _fastest(speeds, "transformers")
-        ratio = f"**{md.times(speeds[minillm] / speeds[transformers])}**" if minillm and transformers else "—"
+        minillm = _fastest(speeds, "minillm")
+        ratios = []
+        for peer in peers:
+            best = _fastest(speeds, peer)
+            ratios.append(f"**{md.times(speeds[minillm] / speeds[best])}**" if minillm and best else "—")
         cells = [f"{speeds[name]:.1f}" if name in speeds else "—" for name in names]
-        rows.append([md.PRECISIONS.get(dtype, dtype), *cells, ratio])
-    header = ["precision", *(_contender_label(name) for name in names), "best minillm / best transformers"]
+        rows.append([md.PRECISIONS.get(dtype, dtype), *cells, *ratios])
+    header = ["precision", *(_contender_label(name) for name in names), "best minillm / best transformers",
+              *(["best minillm / llama.cpp"] if len(peers) > 1 else [])]
     return "\n\n".join([
         md.heading(title, links,
                    f"{model_label(data['model'])}, {data['prompt_tokens']} prompt + {data['new_tokens']} new tokens, "
@@ -42,7 +47,10 @@ def _fastest(speeds: dict, library: str) -> str | None:
 
 
 def _contender_label(name: str) -> str:
-    """'minillm none' -> 'minillm no cache'; 'transformers' (its default cache) -> 'transformers dynamic cache'."""
+    """'minillm none' -> 'minillm no cache'; 'transformers' (its default cache) -> 'transformers dynamic cache';
+    'llama.cpp' -> its file in the row's precision."""
+    if name == "llama.cpp":
+        return "llama.cpp (F32 / BF16 file)"
     library, _, cache = name.partition(" ")
     return f"{library} {md.CACHES.get(cache or 'dynamic', cache)}"
 
