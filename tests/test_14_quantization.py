@@ -41,8 +41,12 @@ from minillm.speed.quant import (
     QuantizationError,
     QuantizedLinear,
     StaticInt8Linear,
+    check_device,
     dequantize_int4,
     dequantize_int8,
+    inner_k_tiles,
+    int4_pairs,
+    int8_dequantizing_matmul,
     quantize_int4_groupwise,
     quantize_int8_per_channel,
     quantize_rows_int8,
@@ -108,6 +112,46 @@ def test_int4_kernel_equals_dequantize_then_linear(n, k, group_size):
         assert relative_error(exact.dequantized_weight(), reference_weight) < 1e-6
     fast = Int4WeightLinear(q, scale, zero, linear.bias)
     assert relative_error(fast(x), reference) < 2e-2
+
+
+# ------------------------------------------------------------------ the GPU's forms, checked where a CPU can
+
+
+def test_the_gpu_int8_form_is_the_int8_kernels_product():
+    """On a GPU int8 runs as the widening and a matmul (fused by Inductor there): the same product as ATen's
+    int8 kernel here, in float32."""
+    linear = linear_with(576, 1536, seed=3)
+    q, scale = quantize_int8_per_channel(linear.weight)
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(4))
+    kernel = torch.ops.aten._weight_int8pack_mm(x, q, scale)
+    assert relative_error(int8_dequantizing_matmul(x, q, scale), kernel) < 1e-5  # float32 sums, another order
+
+
+def test_int4_pairs_are_the_gpu_packings_input():
+    """torch's GPU packing (`_convert_weight_to_int4pack`) reads [N, K / 2] bytes, code 2j in the high nibble and
+    2j + 1 in the low one (torch's own test helper packs so); checked element by element."""
+    q = torch.randint(0, 16, (16, 64), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    pairs = int4_pairs(q)
+    assert pairs.dtype == torch.uint8 and pairs.shape == (16, 32) and pairs.is_contiguous()
+    for n, j in itertools.product(range(16), range(32)):
+        assert int(pairs[n, j]) == 16 * int(q[n, 2 * j]) + int(q[n, 2 * j + 1])
+
+
+@pytest.mark.parametrize("k, tiles", [(576, 4), (1536, 8), (96, 2), (32, 2), (4096, 8)])
+def test_the_gpu_layout_takes_the_widest_tiling_k_fills(k, tiles):
+    """The tinygemm layout packs `inner_k_tiles` 16-wide tiles side by side (2, 4 or 8): K must be a multiple of
+    16 x tiles, and wider is fewer loads; the default model's K of 576 takes 4, its MLP's 1536 takes 8."""
+    assert inner_k_tiles(k) == tiles
+
+
+def test_quantizing_off_a_cpu_or_gpu_and_moving_packed_codes_are_refused():
+    """The kernels run on a CPU or a CUDA GPU; an int4 module's packed layout is its device's own, so moving it
+    to another device is refused rather than run on codes laid out for the other kernel."""
+    with pytest.raises(QuantizationError, match="run on a CPU or a CUDA GPU"):
+        check_device(linear_with(16, 32).to("meta"), "blocks.0.mlp.fc", "int8")
+    q, scale, zero = quantize_int4_groupwise(linear_with(16, 64).weight, 32)
+    with pytest.raises(QuantizationError, match="move the model first, then quantize it"):
+        Int4WeightLinear(q, scale, zero).to("meta")
 
 
 # ------------------------------------------------------------------ many rows: the codes widened to bfloat16

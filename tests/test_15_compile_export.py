@@ -145,6 +145,27 @@ def test_matmul_kernels_follow_the_model_and_the_rows():
     assert compile_model(tiny, kept=True) is compile_model(tiny, kept=True)
 
 
+def test_on_a_gpu_one_row_matmuls_are_generated_as_reductions_and_more_rows_stay_cublas():
+    """On a GPU (the model's device faked: settings only) a large model's one-row matmuls are "generated", which
+    there means Inductor's reductions tuned by coordinate descent (no GEMM templates to time), and every step over
+    more rows keeps cuBLAS; a tiny model keeps the library's everywhere."""
+    from minillm.model.config import ModelConfig
+    from minillm.model.transformer import Transformer
+    from minillm.speed.inductor import inductor_settings, matmul_kernels
+
+    large = Transformer(ModelConfig(vocab_size=4096, context_length=64, n_layer=1, n_head=4, d_model=256))
+    with mock.patch.object(Transformer, "device", torch.device("cuda")):
+        assert [matmul_kernels(large, rows) for rows in (1, 4, None)] == ["generated", "library", "library"]
+        assert matmul_kernels(tiny_pair("llama")[1], 1) == "library"
+    from torch._inductor import config
+
+    with inductor_settings("generated", "cuda"):
+        assert config.coordinate_descent_tuning and not config.max_autotune and config.freezing
+    with inductor_settings("generated", "cpu"):
+        assert config.max_autotune and not config.coordinate_descent_tuning
+    assert not config.coordinate_descent_tuning
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("matmuls", MATMUL_KERNELS)
 def test_each_choice_of_matmul_kernels_runs_what_it_names(matmuls):

@@ -93,6 +93,34 @@ def test_the_flag_belongs_to_the_decode_suite():
         check_options(parser, parser.parse_args(["batch", "--llama-bench", "/x/llama-bench"]))
 
 
+def test_quantized_sections_are_chosen_once_each_and_for_the_decode_suite_only(capsys):
+    """`--quant int8,gguf` adds those sections to the decode suite; an unknown or repeated one is refused by the
+    parser, and the option on another suite is refused rather than ignored."""
+    from minillm.bench.cli import check_options
+
+    parser = build_parser()
+    assert parser.parse_args(["decode", "--quant", "int8,gguf"]).quant == ("int8", "gguf")
+    for bad in ("int9", "int8,int8", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["decode", "--quant", bad])
+        assert "expected some of int8, int4, gguf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        check_options(parser, parser.parse_args(["batch", "--quant", "int8"]))
+
+
+def test_a_quantized_section_names_the_llama_cpp_file_it_was_set_against():
+    """A quantized row's llama.cpp ran the GGUF as Q8_0 (int8) or as stored (int4, gguf): the column says so."""
+    data = decode_result()
+    data["results"]["int8"] = {**data["results"]["float32"], "contenders": {
+        "minillm static": {"tokens_per_second": 90.0, "roofline_fraction": 0.1},
+        "minillm compiled": {"tokens_per_second": 180.0, "roofline_fraction": 0.2},
+        "llama.cpp": {"tokens_per_second": 150.0, "roofline_fraction": 0.2}}}
+    data["results"]["gguf"] = data["results"]["int8"]
+    text = flat(decode_section("Decoding at batch 1", data, LINKS))
+    assert "| llama.cpp (F32 / BF16 / Q8_0 / as stored file) |" in text
+    assert "| int8 | 90.0 | " in text and f"**{md.times(180.0 / 150.0)}** |" in text
+
+
 def test_the_decode_table_sets_minillm_against_llama_cpp_when_it_ran():
     data = decode_result()
     for dtype, rate in (("float32", 22.0), ("bfloat16", 25.0)):

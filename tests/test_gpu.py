@@ -134,3 +134,101 @@ def test_building_ahead_for_a_gpu_is_refused_in_one_line_saying_what_runs_there(
     assert importlib.import_module("minillm.compile").main(["--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nothing is kept for a GPU" in err and "--device cuda --compile" in err, err
+
+
+# ------------------------------------------------------------------ quantized on a GPU (lesson 14's modules there)
+
+
+def linear_576x1536(device):
+    gen = torch.Generator().manual_seed(7)
+    linear = torch.nn.Linear(1536, 576, bias=False)
+    linear.weight.data = torch.randn(576, 1536, generator=gen) * 0.05
+    return linear.to(device)
+
+
+def relative_error(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.gpu
+def test_quantized_linears_on_a_gpu_hold_the_cpus_weights_and_multiply_like_them():
+    """Made on a GPU, int8 keeps the CPU's codes and scales, and int4 packs the same codes into tinygemm's layout:
+    read back through the kernel (x = I) it gives the CPU kernel's float32 weight rounded to bfloat16 (the GPU
+    kernel's one precision); each product is within bfloat16's bound of its dequantized reference (test_14's)."""
+    from minillm.speed.quant import Int4WeightLinear, Int8WeightLinear, quantize_int4_groupwise
+
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    cpu8, gpu8 = (Int8WeightLinear.from_linear(linear_576x1536(d)) for d in ("cpu", "cuda"))
+    assert torch.equal(gpu8.weight_int8.cpu(), cpu8.weight_int8)
+    assert relative_error(gpu8(x.cuda()).cpu(), x.float() @ gpu8.dequantized_weight().cpu().t()) < 2e-2
+    q, scale, zero = quantize_int4_groupwise(linear_576x1536("cpu").weight, 32)
+    cpu4 = Int4WeightLinear(q, scale, zero, compute_dtype=torch.float32)
+    gpu4 = Int4WeightLinear(q.cuda(), scale.cuda(), zero.cuda())
+    exact = cpu4.dequantized_weight()
+    assert ((gpu4.dequantized_weight().cpu() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+    assert relative_error(gpu4(x.cuda()).cpu(), x.float() @ exact.t()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["int8", "gguf"])
+def test_the_quantized_model_on_a_gpu_scores_like_the_cpus_and_its_captured_step_decodes_like_eager(quant):
+    """`--quant int8|gguf --device cuda`: the first step's logits within bfloat16's bound of the CPU's quantized
+    model (the same codes), and greedy through the captured step equal to eager for 16 tokens (BF16 products)."""
+    from minillm import load_model
+
+    gpu, tokenizer = load_model("default", device="cuda", quant=quant)
+    cpu, _ = load_model("default", device="cpu", quant=quant)
+    prompt = tokenizer.encode("The three primary colors of light are")
+    positions = torch.arange(len(prompt))[None]
+    with torch.no_grad():
+        expected = cpu(torch.tensor([prompt]), positions)[0, -1]
+        got = gpu(torch.tensor([prompt], device="cuda"), positions.cuda())[0, -1].cpu()
+    assert relative_error(got, expected) < 2e-2
+    eager = generate(gpu, [prompt], max_new_tokens=16, compile=False).token_ids[0]
+    assert generate(gpu, [prompt], max_new_tokens=16, compile=True).token_ids[0] == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_one_row_matmul_compiled_for_a_gpu_is_a_generated_reduction_not_a_cublas_call(quantized):
+    """Under the GPU's "generated" settings a one-row matmul is Inductor's own kernel (no extern mm), so it can
+    fuse with its neighbours, int8's widening included; it gives the eager product."""
+    from torch._inductor.utils import run_and_get_code
+
+    from minillm.speed.inductor import inductor_settings
+    from minillm.speed.quant import Int8WeightLinear
+
+    linear = linear_576x1536("cuda").requires_grad_(False)
+    module = Int8WeightLinear.from_linear(linear) if quantized else linear.to(torch.bfloat16)
+    x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_settings("generated", "cuda"):
+        out, code = run_and_get_code(torch.compile(module, fullgraph=True, dynamic=False), x)
+    source = "\n".join(code)
+    assert "extern_kernels.mm" not in source and "extern_kernels.addmm" not in source, source
+    with torch.no_grad():
+        assert relative_error(out, module(x)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_the_profiler_counts_a_captured_steps_kernels():
+    """The decode suite's kernel count: hundreds of kernels in one captured step of the default model, the GPU
+    busy for less than the step's wall time."""
+    from minillm import load_model
+    from minillm.bench.kernels import captured_kernels
+
+    model, tokenizer = load_model("default", device="cuda")
+    counted = captured_kernels(model, tokenizer.encode("The three primary colors of light are"))
+    print(counted)
+    assert counted["kernels"] >= 100 and 0 < counted["kernel_us"] < counted["step_us"]
+    assert sum(count for _, count, _ in counted["longest"]) <= counted["kernels"]
+
+
+@pytest.mark.slow  # it compiles
+def test_counting_a_steps_kernels_on_a_cpu_times_the_step_and_counts_none():
+    """Off a GPU the same profile runs (the runner's compiled step, in this process) and finds no device kernels."""
+    from minillm.bench.kernels import captured_kernels
+
+    counted = captured_kernels(compile_model(tiny_pair("llama")[1]), PROMPT)
+    assert (counted["kernels"], counted["copies"], counted["kernel_us"], counted["longest"]) == (0, 0, 0, [])
+    assert counted["step_us"] > 0

@@ -58,7 +58,8 @@ def test_negative_numbers_reach_the_validation(capsys, value):
     (["--speculative", "lookahead", "--decoding-length", "0"], "--decoding-length 0 is invalid"),
     (["--speculative", "lookahead", "--branch-length", "-1"], "--branch-length -1 is invalid"),
     (["--speculative", "lookahead", "--num-draft-tokens", "4"], "lookahead's budget is --decoding-length"),
-    (["--quant", "gguf", "--device", "cuda"], "--quant gguf runs CPU kernels (lesson 14), not on cuda"),
+    (["--quant", "dynamic-int8", "--device", "cuda"],
+     "--quant dynamic-int8 runs CPU kernels (lesson 14), not on cuda: on a GPU use --quant int8, int4 or gguf"),
 ])
 def test_flags_that_need_another_flag_are_refused_not_ignored(capsys, flags, named):
     assert named in one_error_line(capsys, ["--prompt", "hi", *flags])
@@ -198,7 +199,7 @@ def test_leaving_a_stream_early_then_exiting_is_clean():
     assert "terminate called" not in result.stderr and "Traceback" not in result.stderr
 
 
-QUANTS = ("none", "int8", "int4", "gguf", "dynamic-int8")  # every --quant choice (base.commands.add_quant_flag)
+QUANTS = ("none", "int8", "int4", "gguf", "dynamic-int8", "mxfp4")  # every --quant choice (add_quant_flag)
 GPUS = torch.cuda.device_count()
 
 
@@ -206,8 +207,8 @@ def refusal(device: str, quant: str) -> str | None:
     """What each command must say, in one line, for --device `device` --quant `quant` here; None where it runs."""
     if device == "banana":
         return "unknown device 'banana': use cpu or cuda"
-    if quant != "none":  # true on every machine: the quantized kernels are CPU kernels
-        return f"--quant {quant} runs CPU kernels (lesson 14), not on {device}"
+    if quant in ("dynamic-int8", "mxfp4") and device != "banana" or quant != "none" and device == "mps":
+        return f"--quant {quant} runs CPU kernels (lesson 14), not on {device}"  # true on every machine
     if device == "mps":
         return "unsupported device 'mps': use cpu or cuda"
     if not GPUS:
@@ -222,9 +223,10 @@ def refusal(device: str, quant: str) -> str | None:
 @pytest.mark.parametrize("command", ["infer", "serve", "compile"])
 def test_every_quant_and_device_is_refused_in_one_line_before_any_weight_moves(capsys, monkeypatch, command, device,
                                                                                 quant):
-    """infer, serve and compile share load_model's checks: a quantization off the CPU, a GPU this machine lacks, a
-    device torch cannot run the model on or does not know, each one line and exit 2 before the checkpoint is even
-    located (the CPU runs every quantization: the suites and test_14 run them)."""
+    """infer, serve and compile share load_model's checks: a quantization with no kernel on the device (a GPU runs
+    int8, int4 and gguf), a GPU this machine lacks, a device torch cannot run the model on or does not know, each
+    one line and exit 2 before the checkpoint is even located (the CPU runs every quantization: the suites and
+    test_14 run them)."""
     import importlib
 
     expected = refusal(device, quant)

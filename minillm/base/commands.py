@@ -28,8 +28,9 @@ def add_quant_flag(parser) -> None:
     """--quant: quantized linears swapped in after loading (lesson 14), for every command that runs the model."""
     parser.add_argument("--quant", default="none",
                         choices=("none", "int8", "int4", "gguf", "dynamic-int8", "mxfp4"),
-                        help="quantized linears (lesson 14), swapped in after loading, CPU only: 'int8' / 'int4' "
-                             "weights (int4 in groups of 32, the LM head int8) computing in bfloat16, 'gguf' (the "
+                        help="quantized linears (lesson 14), swapped in after loading (on a GPU: int8, int4, "
+                             "gguf): 'int8' / 'int4' weights (int4 in groups of 32, the LM head int8) computing in "
+                             "bfloat16, 'gguf' (the "
                              "GGUF's own Q4_1 blocks run as they are stored: the default model or a .gguf file), "
                              "'dynamic-int8' (int8 weights and activations), 'mxfp4' (a mixture of experts' experts "
                              "in MXFP4, as gpt-oss ships them); close to the float model, not identical")

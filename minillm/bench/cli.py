@@ -30,6 +30,7 @@ from pathlib import Path
 from ..base.commands import run_command
 from ..base.jsonio import write_json
 from .common import REPO, RESULTS, SUITES, machine_info
+from .llama_bench import QUANTIZED
 
 
 def git_stamp(repo: Path = REPO) -> dict | None:
@@ -70,6 +71,15 @@ def draft_lengths(text: str) -> tuple[int, ...]:
     return ks
 
 
+def quantizations(text: str) -> tuple[str, ...]:
+    """`--quant int8,gguf` -> ("int8", "gguf"): the decode suite's quantized sections."""
+    chosen = tuple(text.split(","))
+    if not chosen or any(q not in QUANTIZED for q in chosen) or len(set(chosen)) < len(chosen):
+        raise argparse.ArgumentTypeError(f"--quant {text!r}: expected some of {', '.join(QUANTIZED)} separated by "
+                                         f"commas, each once, e.g. --quant int8,gguf")
+    return chosen
+
+
 EXAMPLES = """examples:
   python -m minillm.bench predict                # first: the cost model's forecasts, from probes alone
   python -m minillm.bench decode --repeats 5     # measure, write results/decode.json and .png
@@ -81,7 +91,7 @@ EXAMPLES = """examples:
 # Options that only some commands use, and those commands: giving one elsewhere is an error, not a no-op.
 OPTION_COMMANDS = {**{name: set(SUITES) for name in ("model", "device", "quick", "repeats")},
                    "ks": {"speculative"}, "drafts": {"speculative"}, "against": {"regression"},
-                   "threads": {"serve-vs-llamacpp"}, "llama_bench": {"decode"},
+                   "threads": {"serve-vs-llamacpp"}, "llama_bench": {"decode"}, "quant": {"decode"},
                    "readme": {"report"}, "check": {"report"}, "plots": {"report"}}
 
 
@@ -114,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="llama.cpp's benchmark program (llama-bench): time llama.cpp in the same rounds, on the "
                              "GGUF as F32 and BF16, where llama-cpp-python is not built (a GPU machine: "
                              "../shared/gpu/llama_src.sh stages its source)")
+    decode.add_argument("--quant", type=quantizations, default=(), metavar="Q,Q,...",
+                        help="also measure these quantizations (int8, int4, gguf; comma-separated), each a section of "
+                             "its own: eager and compiled (on a GPU captured) minillm, and with --llama-bench "
+                             "llama.cpp on the GGUF as Q8_0 (int8) or as stored, Q4_1 (int4, gguf)")
     servers = p.add_argument_group("serve-vs-llamacpp only")
     servers.add_argument("--threads", type=int, default=None, metavar="N",
                          help="threads each server computes with (minillm through OMP_NUM_THREADS, llama.cpp through "

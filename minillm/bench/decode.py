@@ -11,6 +11,8 @@ produce exactly `new_tokens` tokens):
     minillm static / dynamic / none   `generate(cache=...)`: the three caches of lesson 06
     minillm captured                  on a GPU: `generate(compile=True)`, the decode step compiled and
                                       captured as one CUDA graph (lesson 15), what `--compile` runs there
+                                      (its one-row matmuls Inductor's reductions: `matmul_kernels`)
+    minillm captured, library matmuls on a GPU: the same with cuBLAS's matrix-vector products
     transformers                      `generate`, its default dynamic cache
     transformers static               `generate(cache_implementation="static")`
     llama.cpp                         with --llama-bench PATH: llama.cpp's own benchmark program on the GGUF
@@ -18,11 +20,17 @@ produce exactly `new_tokens` tokens):
 
 in float32 and bfloat16 (lesson 05). Decode tokens/s counts the tokens after the
 first one over the time after the first one, for both libraries (transformers'
-streamer timestamps its tokens). Plus: prefill time of a 512-token prompt.
+streamer timestamps its tokens). Plus: prefill time of a 512-token prompt. With
+`--quant int8,int4,gguf` each quantization is a section of its own (lesson 14): the model
+as `--quant` loads it, eager ("minillm static") against compiled ("minillm compiled",
+on a GPU "minillm captured"), and llama.cpp on the GGUF as Q8_0 (int8) or as stored
+(Q4_1 for the default model: int4, gguf). On a GPU the profiler then counts each
+captured step's kernels (`minillm.bench.kernels`, "kernels_per_step").
 
     python -m minillm.bench decode            # 128 prompt + 128 new tokens, 512-token prefill
     python -m minillm.bench decode --quick    # 32 + 16, 128-token prefill, float32 + minillm bf16
-    python -m minillm.bench decode --device cuda --llama-bench /root/llama/build/bin/llama-bench
+    python -m minillm.bench decode --device cuda --llama-bench /root/llama/build/bin/llama-bench \
+        --quant int8,int4,gguf
 """
 
 from __future__ import annotations
@@ -35,10 +43,13 @@ from ..costmodel.probes import measure_memory_bandwidth, synchronize
 from ..decoding.sampling import SamplingConfig
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
+from ..speed.compile import compile_model
+from ..speed.quantize_model import weight_bytes
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import alternate, finish_figure, median, plot_title, spread
-from .llama_bench import GGUF_TYPE, LlamaBench, llama_bench_problem
+from .kernels import captured_kernels
+from .llama_bench import GGUF_TYPE, QUANTIZED, LlamaBench, llama_bench_problem
 from .llama_cpp import gguf_as
 
 FULL = (128, 128, 512)  # a full run's prompt tokens, new tokens, and the prefill's prompt (--quick: 32, 16, 128)
@@ -114,74 +125,93 @@ def run(args) -> dict:
     quick = args.quick
     prompt_tokens, new_tokens, prefill_tokens = (32, 16, 128) if quick else FULL
     repeats = 1 if quick else args.repeats
-    dtypes = ("float32", "bfloat16")
+    quants = tuple(getattr(args, "quant", ()) or ())
     folder = resolve_checkpoint_folder(args.model)
     program = getattr(args, "llama_bench", None)
     llama = llama_bench_problem(program)  # None: llama.cpp runs in these rounds
     if program is not None and llama is not None:
         raise ValueError(llama)
     bandwidth = measure_memory_bandwidth(device=args.device)
+    on_gpu = torch.device(args.device).type == "cuda"
+    compiled = "minillm captured" if on_gpu else "minillm compiled"  # what --compile runs on this device
 
-    results, prefill = {}, None
-    for dtype in dtypes:
-        model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
+    results, prefill, kernels = {}, None, {}
+    for section in ("float32", "bfloat16", *quants):
+        quant = section if section in QUANTIZED else "none"
+        dtype = "float32" if quant != "none" else section  # a quantized model as the command line loads it
+        model, tokenizer = load_model(args.model, dtype=dtype, device=args.device, quant=quant)
         ids = tokenizer.encode(TEXT * 2)
         prompt = ids[:prompt_tokens]
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(args.device).eval()
-        hf_model.generation_config.eos_token_id = None
-        records = {}
-        contenders = {}
-        caches = ("static", "dynamic", "none") if dtype == "float32" else ("static", "dynamic")
-        if quick and dtype != "float32":
-            caches = ("static",)
-        for cache in caches:
-            name = f"minillm {cache}"
-            contenders[name] = _minillm(model, prompt, new_tokens, cache, args.device, records.setdefault(name, []))
-        if model.device.type == "cuda":  # what `--compile --device cuda` runs: the step as one CUDA graph
-            contenders["minillm captured"] = _minillm(model, prompt, new_tokens, "static", args.device,
-                                                      records.setdefault("minillm captured", []), compile=True)
-        if not (quick and dtype != "float32"):
-            contenders["transformers"] = _transformers(hf_model, prompt, new_tokens, args.device,
-                                                       records.setdefault("transformers", []))
-            contenders["transformers static"] = _transformers(hf_model, prompt, new_tokens, args.device,
-                                                              records.setdefault("transformers static", []),
-                                                              cache_implementation="static")
-        if llama is None:  # the same weights in llama.cpp's file of this precision
-            gguf = gguf_as(gguf_path_for(args.model), GGUF_TYPE[dtype])
+        records, contenders, captured = {}, {}, {}
+
+        def minillm(name, cache, runs=model, compile=False):
+            contenders[name] = _minillm(runs, prompt, new_tokens, cache, args.device, records.setdefault(name, []),
+                                        compile=compile)
+            if compile:
+                captured[name] = runs
+
+        hf_model = None
+        if quant != "none":  # eager against the compiled step, and llama.cpp on the same blocks (its file)
+            minillm("minillm static", "static")
+            minillm(compiled, "static", compile=True)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(args.device).eval()
+            hf_model.generation_config.eos_token_id = None
+            caches = ("static", "dynamic", "none") if dtype == "float32" else ("static", "dynamic")
+            for cache in caches if not (quick and dtype != "float32") else ("static",):
+                minillm(f"minillm {cache}", cache)
+            if on_gpu:  # what `--compile --device cuda` runs: the step as one CUDA graph; and with cuBLAS's matvecs
+                minillm(compiled, "static", compile=True)
+                minillm(f"{compiled}, library matmuls", "static", compile_model(model, matmuls="library"), True)
+            if not (quick and dtype != "float32"):
+                contenders["transformers"] = _transformers(hf_model, prompt, new_tokens, args.device,
+                                                           records.setdefault("transformers", []))
+                contenders["transformers static"] = _transformers(hf_model, prompt, new_tokens, args.device,
+                                                                  records.setdefault("transformers static", []),
+                                                                  cache_implementation="static")
+        if llama is None:  # the same weights in llama.cpp's file of this precision (quantized: Q8_0, or as stored)
+            source = gguf_path_for(args.model)
+            gguf = gguf_as(source, GGUF_TYPE[section]) if section in GGUF_TYPE else source
             contenders["llama.cpp"] = LlamaBench(program, gguf, prompt_tokens, new_tokens, args.device,
                                                  torch.get_num_threads())
-        times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode {dtype}")
-        weight_bytes = model.num_weight_bytes()
-        rows = {}
-        for name, seconds in times.items():
-            tok_s = (new_tokens - 1) / median(seconds)
-            rows[name] = {"tokens_per_second": tok_s, "ms_per_token": 1000 / tok_s,
-                          "roofline_fraction": tok_s * weight_bytes / bandwidth,
-                          "decode_seconds_per_repeat": seconds}
-        reference = "transformers" if "transformers" in rows else None
-        for name, row in rows.items():
-            if reference:
-                row["speedup_vs_transformers"] = row["tokens_per_second"] / rows[reference]["tokens_per_second"]
-                best = max(rows[r]["tokens_per_second"] for r in rows if r.startswith("transformers"))
-                row["speedup_vs_best_transformers"] = row["tokens_per_second"] / best
-        same = {name: record[-1] == records["minillm static"][-1] for name, record in records.items()}
-        results[dtype] = {"weight_bytes": weight_bytes, "roofline_tokens_per_second": bandwidth / weight_bytes,
-                          "contenders": rows, "same_tokens_as_minillm_static": same}
-        for name, row in rows.items():
-            extra = f", x{row['speedup_vs_transformers']:.2f} vs transformers" if reference else ""
-            print(f"{dtype:8s} {name:20s} {row['tokens_per_second']:6.1f} tok/s, "
-                  f"{row['roofline_fraction']:.0%} of roofline{extra}", flush=True)
-        if dtype == "float32":
+        times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode {section}")
+        results[section] = section_rows(section, times, records, weight_bytes(model), bandwidth, new_tokens)
+        if on_gpu:  # kernels per captured step, counted by the profiler after the timed rounds
+            kernels[section] = {name: captured_kernels(runs, prompt) for name, runs in captured.items()}
+        if dtype == "float32" and quant == "none":
             prefill = _prefill(model, hf_model, ids[:prefill_tokens], args.device, repeats)
             print(f"prefill {prefill_tokens} tokens: minillm {prefill['minillm']:.3f} s, "
                   f"transformers {prefill['transformers']:.3f} s", flush=True)
         del model, hf_model
 
     return {"model": args.model, "quick": quick, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-            "repeats": repeats, "llama_cpp": llama,
-            "memory_bandwidth_gb_s": bandwidth / 1e9, "results": results,
+            "repeats": repeats, "llama_cpp": llama, "memory_bandwidth_gb_s": bandwidth / 1e9, "results": results,
+            **({"kernels_per_step": kernels} if kernels else {}),
             "prefill": {"tokens": prefill_tokens, "seconds": prefill,
                         "speedup_vs_transformers": prefill["transformers"] / prefill["minillm"]}}
+
+
+def section_rows(section: str, times: dict, records: dict, weight_bytes: int, bandwidth: float,
+                 new_tokens: int) -> dict:
+    """One section's table: each contender's tokens/s, ms a token, share of the roofline and ratio to transformers
+    (where it ran), and which contenders chose the tokens eager minillm's static cache did."""
+    rows = {}
+    for name, seconds in times.items():
+        tok_s = (new_tokens - 1) / median(seconds)
+        rows[name] = {"tokens_per_second": tok_s, "ms_per_token": 1000 / tok_s,
+                      "roofline_fraction": tok_s * weight_bytes / bandwidth, "decode_seconds_per_repeat": seconds}
+    if "transformers" in rows:
+        best = max(rows[r]["tokens_per_second"] for r in rows if r.startswith("transformers"))
+        for row in rows.values():
+            row["speedup_vs_transformers"] = row["tokens_per_second"] / rows["transformers"]["tokens_per_second"]
+            row["speedup_vs_best_transformers"] = row["tokens_per_second"] / best
+    same = {name: record[-1] == records["minillm static"][-1] for name, record in records.items()}
+    for name, row in rows.items():
+        extra = f", x{row['speedup_vs_transformers']:.2f} vs transformers" if "transformers" in rows else ""
+        print(f"{section:8s} {name:34s} {row['tokens_per_second']:6.1f} tok/s, "
+              f"{row['roofline_fraction']:.0%} of roofline{extra}", flush=True)
+    return {"weight_bytes": weight_bytes, "roofline_tokens_per_second": bandwidth / weight_bytes,
+            "contenders": rows, "same_tokens_as_minillm_static": same}
 
 
 def plot(data: dict, path=None):

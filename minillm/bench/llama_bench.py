@@ -3,10 +3,11 @@
 The suites that compare against llama.cpp on a CPU load it through llama-cpp-python
 (`minillm.bench.llama_cpp`). A GPU machine of the course has no network and takes 64 MiB
 per upload, so llama-cpp-python is not built there; its vendored llama.cpp builds
-`llama-bench` with CUDA in minutes instead (`../shared/gpu/llama_src.sh` stages it). Given
-that program (`python -m minillm.bench decode --llama-bench PATH`), the decode suite times
-llama.cpp on the same weights (the GGUF as F32 for the float32 rows, as BF16 for bfloat16:
-`gguf_as`) in the same alternated rounds as minillm and transformers. Each round is one
+`llama-bench` with CUDA in minutes instead (`../shared/gpu/llama_src.sh` stages it; `.ci/gpu`
+builds it and runs the suite there). Given that program (`python -m minillm.bench decode
+--llama-bench PATH`), the decode suite times llama.cpp on the same weights (the GGUF as F32 for
+the float32 rows, as BF16 for bfloat16, as Q8_0 for int8: `gguf_as`; as stored for int4 and the
+GGUF's own blocks) in the same alternated rounds as minillm and transformers. Each round is one
 `llama-bench` process that generates the suite's new tokens once after a context of the
 suite's prompt length (`-n N -d P -p 0 -r 1`; every layer on the GPU there, `-ngl 99`), and
 its report's tokens per second (`avg_ts`, which times generation alone) becomes the seconds
@@ -19,7 +20,8 @@ import json
 import subprocess
 from pathlib import Path
 
-GGUF_TYPE = {"float32": "F32", "bfloat16": "BF16"}  # the llama.cpp file a precision's rows are compared against
+GGUF_TYPE = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0"}  # the llama.cpp file a section is compared against
+QUANTIZED = ("int8", "int4", "gguf")  # the decode suite's quantized sections; int4 and gguf against the GGUF as stored
 
 
 def llama_bench_problem(program: Path | None) -> str | None:
@@ -69,4 +71,4 @@ class LlamaBench:
         return (self.new_tokens - 1) / generation_rate(done.stdout, self.new_tokens)
 
 
-__all__ = ["GGUF_TYPE", "LlamaBench", "generation_rate", "llama_bench_command", "llama_bench_problem"]
+__all__ = ["GGUF_TYPE", "QUANTIZED", "LlamaBench", "generation_rate", "llama_bench_command", "llama_bench_problem"]

@@ -11,6 +11,7 @@ from ..costmodel.model import SMOLLM2_135M, forward_flops, weight_bytes
 from ..model.loading import DEFAULT_ALIASES
 from . import markdown as md
 from .common import model_label
+from .llama_bench import GGUF_TYPE
 
 
 def decode_section(title: str, data: dict, links: dict) -> str:
@@ -27,7 +28,7 @@ def decode_section(title: str, data: dict, links: dict) -> str:
             ratios.append(f"**{md.times(speeds[minillm] / speeds[best])}**" if minillm and best else "—")
         cells = [f"{speeds[name]:.1f}" if name in speeds else "—" for name in names]
         rows.append([md.PRECISIONS.get(dtype, dtype), *cells, *ratios])
-    header = ["precision", *(_contender_label(name) for name in names), "best minillm / best transformers",
+    header = ["precision", *(_contender_label(name, results) for name in names), "best minillm / best transformers",
               *(["best minillm / llama.cpp"] if len(peers) > 1 else [])]
     return "\n\n".join([
         md.heading(title, links,
@@ -46,11 +47,12 @@ def _fastest(speeds: dict, library: str) -> str | None:
     return max(names, key=speeds.get) if names else None
 
 
-def _contender_label(name: str) -> str:
+def _contender_label(name: str, results: dict) -> str:
     """'minillm none' -> 'minillm no cache'; 'transformers' (its default cache) -> 'transformers dynamic cache';
-    'llama.cpp' -> its file in the row's precision."""
+    'llama.cpp' -> its file in each row's precision (a quantized row's: Q8_0, or the GGUF as stored)."""
     if name == "llama.cpp":
-        return "llama.cpp (F32 / BF16 file)"
+        files = dict.fromkeys(GGUF_TYPE.get(section, "as stored") for section in results)
+        return f"llama.cpp ({' / '.join(files)} file)"
     library, _, cache = name.partition(" ")
     return f"{library} {md.CACHES.get(cache or 'dynamic', cache)}"
 

@@ -78,15 +78,21 @@ def matmul_kernels(model, rows: int | None = 1) -> str:
 
     So one row gets generated kernels, a fixed number of rows timed ones, and any number of rows of a float32
     model oneDNN's packed product (`onednn`; of a quantized one, timed). A model of a few thousand weights
-    (the course's tiny test models) runs no faster with either and would triple its compile time, and
-    on a GPU a decode step's matmuls are already cuBLAS kernels streaming near the bandwidth (what
-    compiling buys there is one CUDA graph launch instead of hundreds of kernel launches): both keep
+    (the course's tiny test models) runs no faster with either and would triple its compile time: it keeps
     the library's.
+
+    On a GPU a batch-1 step of the default model is some 240 small kernels in series (2.0 ms a token on an
+    H200 with cuBLAS's matrix-vector products, 7% of the bandwidth's bound: `results/cuda/decode.json`), so
+    what counts there is how many kernels run, not how fast each streams. "generated" on a GPU writes each
+    one-row matmul as an Inductor reduction (gpt-fast's setting, `inductor_settings`), which Inductor can fuse
+    with the elementwise work on either side of it and, for int8 weights, with their widening: fewer
+    kernels, and int8 read as one byte per weight. Not yet timed against cuBLAS's: the decode suite on a GPU
+    runs both ("minillm captured" and "minillm captured, library matmuls"). More rows keep cuBLAS's.
     """
-    if model.device.type != "cpu":
-        return "library"
     if sum(tensor.numel() for tensor in itertools.chain(model.parameters(), model.buffers())) < GENERATED_MIN_ELEMENTS:
         return "library"
+    if model.device.type != "cpu":
+        return "generated" if rows == 1 else "library"
     if rows == 1 and not (holds_int4_weights(model) and "AVX512" not in torch.backends.cpu.get_cpu_capability()):
         return "generated"
     if rows is None and onednn_packs_float32(model) and not holds_quantized_weights(model):
@@ -124,7 +130,10 @@ def inductor_settings(matmuls: str, device):
     matrix-vector product whose speed is how fast the weight streams from memory, and a
     kernel made for one shape (no blocking for rows that never come) streams it at least as
     close to the bandwidth as a general GEMM library. A matmul the template cannot write keeps
-    the library's call. Inductor's own table of the timings is not printed.
+    the library's call. Inductor's own table of the timings is not printed. On a GPU "generated" instead
+    turns on `coordinate_descent_tuning`, under which Inductor decomposes a one-row matmul into a
+    multiply and a sum (its reduction kernels, their block sizes tuned by coordinate descent), fusible
+    with their neighbours (`matmul_kernels`).
     """
     from torch._inductor import config, select_algorithm
 
@@ -137,7 +146,9 @@ def inductor_settings(matmuls: str, device):
         settings["cpp_wrapper"] = True
     # (On a GPU the same problem is solved by recording the step's launches once as a CUDA graph and
     # replaying it: `minillm.speed.cuda_graph`.)
-    if matmuls in ("generated", "timed"):
+    if matmuls == "generated" and not on_cpu:
+        settings["coordinate_descent_tuning"] = True
+    elif matmuls in ("generated", "timed"):
         generated = "CPP" if on_cpu else "TRITON"
         settings.update(max_autotune=True, max_autotune_report_choices_stats=False, autotune_fallback_to_aten=True,
                         max_autotune_gemm_backends=generated if matmuls == "generated" else f"{generated},ATEN")

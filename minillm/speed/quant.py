@@ -20,7 +20,16 @@ So a weight-only linear computes in `compute_dtype` (bfloat16 by default) whatev
 model's dtype, and returns the model's dtype. Pass `compute_dtype=torch.float32` to check
 the kernels exactly. The kernels' limits are refused with one line each (`check_int4_shape`,
 `check_int8_shape`): int4 groups of 32/64/128/256 dividing K, N a multiple of 16; bfloat16
-int8 needs K a multiple of 16 (otherwise it returns garbage); CPU only.
+int8 needs K a multiple of 16 (otherwise it returns garbage).
+
+On a GPU the same modules run other kernels, chosen by where their codes lie when they are
+made (quantize after the model is on its device): int4 on the tinygemm kernel
+(`aten._weight_int4pack_mm`, bfloat16 activations, its own tile layout from
+`_convert_weight_to_int4pack`, the same (q − 8)·s + z); int8 as the dequantization and a
+matmul written out (`int8_dequantizing_matmul`), which Inductor fuses into one kernel that
+reads the int8 codes once a batch-1 step is compiled (gpt-fast's recipe: ATen's CUDA int8
+kernel gives each output one thread that walks its row alone). Dynamic and static int8 stay
+on the CPU: `torch._int_mm` on a GPU needs more than 16 rows, and a decode step has one.
 
 The kernels stream the codes once per activation row: right for decoding, slow for a
 prefill chunk of hundreds of rows. From `widen_rows` rows on, an eager bfloat16 call
@@ -33,6 +42,7 @@ with the measurements behind the thresholds).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .quant_widen import (int4_block, int4_widened_matmul, int8_product, int8_product_here, int8_widened_matmul,
@@ -109,10 +119,45 @@ def check_int8_shape(k: int, compute_dtype: torch.dtype, name: str = "weight") -
                                 f"garbage otherwise); {name} has K={k}: use compute_dtype=torch.float32")
 
 
-def check_device(module: nn.Module, name: str) -> None:
-    if any(p.device.type != "cpu" for p in module.parameters()):
-        raise QuantizationError(f"{name} is on {next(module.parameters()).device}: these packed kernels are CPU "
-                                f"kernels; load the model with device='cpu'")
+GPU_METHODS = ("int8", "int4")  # the weight-only forms with GPU kernels here (and the GGUF's blocks, on them)
+
+
+def check_device(module: nn.Module, name: str, method: str) -> None:
+    device = next(module.parameters()).device
+    if device.type == "cuda" and method not in GPU_METHODS:
+        raise QuantizationError(f"{name} is on {device}: {method} multiplies int8 activations with torch._int_mm, "
+                                f"which on a GPU needs more than 16 rows; use int8 or int4 weights there")
+    if device.type not in ("cpu", "cuda"):
+        raise QuantizationError(f"{name} is on {device}: the quantized kernels run on a CPU or a CUDA GPU")
+
+
+def check_int4_dtype(device: torch.device, compute_dtype: torch.dtype) -> None:
+    if device.type == "cuda" and compute_dtype != torch.bfloat16:
+        raise QuantizationError(f"int4 on a GPU computes in bfloat16 (the tinygemm kernel's activations), not "
+                                f"{compute_dtype}: use compute_dtype=torch.bfloat16")
+
+
+def int8_dequantizing_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] @ (q [N, K] · scale [N])ᵀ as the widening and a matmul, in x's dtype: a GPU's int8 path.
+
+    Eagerly this widens the whole weight at every call; in a compiled batch-1 step Inductor turns
+    the matrix-vector product into a reduction (`minillm.speed.inductor`: "generated" on a GPU)
+    and fuses the widening into it, so the step reads one byte per weight.
+    """
+    return F.linear(x, q.to(x.dtype)) * scale
+
+
+def int4_pairs(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in 0..15 -> uint8 [N, K / 2], code 2j in the high nibble and 2j + 1 in the low one: the form
+    the GPU kernel's packing (`_convert_weight_to_int4pack`) reads."""
+    q = q.to(torch.uint8)
+    return (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
+
+
+def inner_k_tiles(k: int) -> int:
+    """How many 16-wide K tiles the GPU int4 layout puts side by side: the most of 8, 4 or 2 that K fills (every
+    group size here makes K a multiple of 32, so 2 always fits)."""
+    return next(tiles for tiles in (8, 4, 2) if k % (16 * tiles) == 0)
 
 
 # ------------------------------------------------------------------ the quantized linears
@@ -169,6 +214,8 @@ class Int8WeightLinear(QuantizedLinear):
 
     def matmul(self, x):
         x = x.to(self.compute_dtype)
+        if self.weight_int8.is_cuda:
+            return int8_dequantizing_matmul(x, self.weight_int8, self.scale)
         if widens(x, self.compute_dtype, self.widen_kind):
             return int8_widened_matmul(x, self.weight_int8, self.scale)
         return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scale)
@@ -178,10 +225,11 @@ class Int8WeightLinear(QuantizedLinear):
 
 
 class Int4WeightLinear(QuantizedLinear):
-    """Weight-only int4 (groupwise, asymmetric), on `aten._weight_int4pack_mm_for_cpu`.
+    """Weight-only int4 (groupwise, asymmetric), on `aten._weight_int4pack_mm_for_cpu` (a GPU: `_weight_int4pack_mm`).
 
-    The kernel reads q packed two to a byte in its own layout (`_convert_weight_to_int4pack_for_cpu`)
-    and scale and zero interleaved as [K / group_size, N, 2]. Widened over many rows, where
+    The kernel reads q packed two to a byte in its own layout (`_convert_weight_to_int4pack_for_cpu`;
+    on a GPU tiles of `inner_k_tiles`, `_convert_weight_to_int4pack`), made on the device q lies
+    on, and scale and zero interleaved as [K / group_size, N, 2]. Widened over many rows, where
     this CPU's packed layout is one `quant_widen` reads (N a multiple of its block).
     """
 
@@ -193,10 +241,22 @@ class Int4WeightLinear(QuantizedLinear):
         super().__init__(k, n, bias)
         self.group_size = k // scale.shape[1]
         check_int4_shape(n, k, self.group_size)
+        check_int4_dtype(q.device, compute_dtype)
         self.compute_dtype = compute_dtype
-        self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        packed = (torch.ops.aten._convert_weight_to_int4pack(int4_pairs(q), inner_k_tiles(k)) if q.is_cuda
+                  else torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        self.register_buffer("weight_int4", packed)
         scale_and_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # [K / group_size, N, 2]
         self.register_buffer("scale_and_zero", scale_and_zero.to(compute_dtype).contiguous())
+
+    def _apply(self, fn, recurse=True):
+        """Moving the module keeps its packed codes' layout, which is the device's own: refused across devices."""
+        before = self.weight_int4.device.type
+        moved = super()._apply(fn, recurse)
+        if self.weight_int4.device.type != before:
+            raise QuantizationError(f"int4 codes packed for the {before} cannot run on {self.weight_int4.device}: "
+                                    f"move the model first, then quantize it")
+        return moved
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32, compute_dtype=torch.bfloat16) -> "Int4WeightLinear":
@@ -205,6 +265,8 @@ class Int4WeightLinear(QuantizedLinear):
 
     def matmul(self, x):
         x = x.to(self.compute_dtype)
+        if self.weight_int4.is_cuda:
+            return torch.ops.aten._weight_int4pack_mm(x, self.weight_int4, self.group_size, self.scale_and_zero)
         # `widens` first: it says no while a graph is traced, and `int4_block`'s probe (a data-dependent
         # comparison) must not be traced into one; export fails on it if no eager call has cached it.
         if widens(x, self.compute_dtype, self.widen_kind):
@@ -215,7 +277,11 @@ class Int4WeightLinear(QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight_int4, self.group_size, self.scale_and_zero)
 
     def dequantized_weight(self):
-        """Read back through the kernel itself: x = I gives wᵀ exactly (one product per output, in float32)."""
+        """Read back through the kernel itself: x = I gives wᵀ exactly (one product per output, in float32; on a
+        GPU the bfloat16 weight the kernel multiplies, its only precision)."""
+        if self.weight_int4.is_cuda:
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight_int4.device)
+            return self.matmul(eye).float().t().contiguous()
         eye = torch.eye(self.in_features)
         sz = self.scale_and_zero.float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_int4, self.group_size, sz).t().contiguous()
@@ -283,4 +349,4 @@ class StaticInt8Linear(DynamicInt8Linear):
 __all__ = ["INT4_GROUP_SIZES", "QuantizationError", "QuantizedLinear", "Int8WeightLinear", "Int4WeightLinear",
            "DynamicInt8Linear", "StaticInt8Linear", "quantize_int8_per_channel", "dequantize_int8",
            "quantize_int4_groupwise", "dequantize_int4", "quantize_rows_int8", "check_int4_shape", "check_int8_shape",
-           "check_device"]
+           "check_device", "check_int4_dtype", "GPU_METHODS", "int8_dequantizing_matmul", "int4_pairs", "inner_k_tiles"]

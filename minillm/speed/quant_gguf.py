@@ -41,7 +41,8 @@ from ..model.gguf import read_gguf, unpermute_rope
 from ..model.loading import DEFAULT_ALIASES, GEMMA3_MODEL, default_gguf_path, gemma3_source, resolve_checkpoint_folder
 from .kquants import KQUANT_BLOCK, decode_kquant, dequantize_kquant, float16
 from .mx_experts import experts_in_mxfp4
-from .quant import Int4WeightLinear, Int8WeightLinear, QuantizationError, check_int4_shape, quantize_int4_groupwise
+from .quant import (Int4WeightLinear, Int8WeightLinear, QuantizationError, check_int4_dtype, check_int4_shape,
+                    quantize_int4_groupwise)
 from .quantize_model import quantize_model, replace_module
 
 BLOCK = 32
@@ -158,19 +159,20 @@ def int4_linear_from_blocks(data: np.ndarray, kind: str, compute_dtype=torch.bfl
 
 
 def int4_linear_from_parts(parts: list[tuple[np.ndarray, str]], compute_dtype=torch.bfloat16,
-                           name: str = "weight") -> Int4WeightLinear:
-    """Stacked 4-bit matrices (q/k/v, gate/up), each in its own block type, as one int4 linear."""
+                           name: str = "weight", device="cpu") -> Int4WeightLinear:
+    """Stacked 4-bit matrices (q/k/v, gate/up), each in its own block type, as one int4 linear on `device`."""
     for _, kind in parts:
         if kind not in NATIVE_INT4:
             raise QuantizationError(f"{name} is {kind}: the int4 kernel runs 4-bit blocks ({', '.join(NATIVE_INT4)}) "
                                     f"natively; use --quant int4 to requantize the model instead")
     q, scale, zero = (np.concatenate(column) for column in zip(*(int4_codes(data, kind) for data, kind in parts)))
     check_int4_shape(q.shape[0], q.shape[1], BLOCK, name)
-    return Int4WeightLinear(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero), None, compute_dtype)
+    q, scale, zero = (torch.from_numpy(t).to(device) for t in (q, scale, zero))
+    return Int4WeightLinear(q, scale, zero, None, compute_dtype)
 
 
 def int8_linear_from_blocks(parts: list[tuple[np.ndarray, str]], compute_dtype=torch.bfloat16,
-                            rows_per_chunk: int = 4096) -> Int8WeightLinear:
+                            rows_per_chunk: int = 4096, device="cpu") -> Int8WeightLinear:
     """Rows of any block types (stacked in order) -> the int8 kernel's one scale per row, decoding a chunk of rows
     at a time.
 
@@ -186,7 +188,7 @@ def int8_linear_from_blocks(parts: list[tuple[np.ndarray, str]], compute_dtype=t
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes.append(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         scales.append(scale)
-    return Int8WeightLinear(torch.cat(codes), torch.cat(scales), None, compute_dtype)
+    return Int8WeightLinear(torch.cat(codes).to(device), torch.cat(scales).to(device), None, compute_dtype)
 
 
 def gguf_path_for(name_or_path: str) -> Path:
@@ -216,7 +218,7 @@ def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torc
     `head="int4"` to int4 groups of 32 requantized from its decoded rows (faster, less
     exact), or with "none" stays as loaded (the block matrices alone). Everything else
     (norms, the embedding lookup) stays as loaded. Every tensor is checked before any
-    linear is replaced.
+    linear is replaced. The kernels are made on the device the model lies on (a GPU's int4 layout is its own).
     """
     reader, meta = read_gguf(Path(gguf_path))
     architecture = meta.get("general.architecture")
@@ -225,7 +227,7 @@ def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torc
                                 f"{' and '.join(ROPE_PERMUTED)} files; use --quant int4 for this model")
     permuted = ROPE_PERMUTED[architecture]
     tensors = {t.name: t for t in reader.tensors}
-    config = model.config
+    config, device = model.config, next(model.parameters()).device
 
     def rows(name: str, heads: int | None = None) -> tuple[np.ndarray, str]:
         if name not in tensors:
@@ -262,14 +264,15 @@ def use_gguf_weights(model: nn.Module, gguf_path: str | Path, compute_dtype=torc
                                     f"{[linear.out_features, linear.in_features]}; load the model this GGUF belongs to")
         if runs_int4(name, parts, head):
             check_int4_shape(*shape, BLOCK, name)
+            check_int4_dtype(linear.weight.device, compute_dtype)
     for name, parts in tqdm(plan, desc="GGUF blocks -> kernels", unit="linear", leave=False):
         if name == "lm_head" and head == "int4":  # requantized from the decoded rows: faster, less exact
-            w = torch.from_numpy(np.concatenate([decoded(data, kind) for data, kind in parts]))
+            w = torch.from_numpy(np.concatenate([decoded(data, kind) for data, kind in parts])).to(device)
             new = Int4WeightLinear(*quantize_int4_groupwise(w, BLOCK), None, compute_dtype)
         elif runs_int4(name, parts, head):
-            new = int4_linear_from_parts(parts, compute_dtype, name)
+            new = int4_linear_from_parts(parts, compute_dtype, name, device)
         else:
-            new = int8_linear_from_blocks(parts, compute_dtype)
+            new = int8_linear_from_blocks(parts, compute_dtype, device=device)
         replace_module(model, name, new)
     return model
 

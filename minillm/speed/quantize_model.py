@@ -23,6 +23,7 @@ from .quant import (
     QuantizedLinear,
     StaticInt8Linear,
     check_device,
+    check_int4_dtype,
     check_int4_shape,
     check_int8_shape,
 )
@@ -77,9 +78,10 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, compute_
     targets = [(name, linear, method if name != "lm_head" or head is None else head)
                for name, linear in linears(model) if not (name == "lm_head" and head == "none")]
     for name, linear, how in targets:
-        check_device(linear, name)
+        check_device(linear, name, how)
         if how == "int4":
             check_int4_shape(linear.out_features, linear.in_features, group_size, name)
+            check_int4_dtype(linear.weight.device, compute_dtype)
         elif how == "int8":
             check_int8_shape(linear.in_features, compute_dtype, name)
     if method == "static-int8":
