@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_flag(p)
     add_graph_flags(p, compile_help="run the engine's decode steps (every request decoding one token) as the "
                     "compiled graph (lessons 12 and 15), building it first when it is not on disk (a few minutes on "
-                    "two cores, once; `python -m minillm.compile --serve` builds it ahead); CPU only. Without this "
-                    "flag the compiled graph runs when it is already built, else eager PyTorch; steps that prefill "
+                    "two cores, once; `python -m minillm.compile --serve` builds it ahead; on a GPU compiled at "
+                    "start and captured per bucket of rows and blocks). Without this flag the compiled graph runs "
+                    "when it is already built, else eager PyTorch; steps that prefill "
                     "prompts always run eagerly; the path is printed at start")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism (lesson 20): split the model over N processes; this one serves HTTP, "
@@ -89,9 +90,6 @@ def check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is invalid: must be in 0..65535")
     check_sharded_flags(args.tp, args.compile, args.quant)
-    if args.compile and args.device != "cpu":
-        raise ValueError("--compile builds the engine's step for the CPU only so far: on a GPU serve eagerly (drop "
-                         "--compile)")
     for _, flag, _, _, _, rule, _ in NUMBERS:
         value, (op, bound) = getattr(args, flag[2:].replace("-", "_")), rule.split()
         if value is not None and not (value >= float(bound) if op == ">=" else value > float(bound)):
@@ -138,7 +136,8 @@ def serve(args, sock, loaded=None, group=None, workers=None) -> int:
         graph="compiled" if args.compile else "eager" if args.eager else "auto", explain=explain)
     host, port = sock.getsockname()[:2]
     engine = runner.engine.runner
-    path = (f"decode steps compiled (loaded or built in {engine.build_seconds:.1f} s)" if engine.graph == "compiled"
+    built = "captured per bucket in" if model.device.type == "cuda" else "loaded or built in"
+    path = (f"decode steps compiled ({built} {engine.build_seconds:.1f} s)" if engine.graph == "compiled"
             else f"eager, split over {group.world} processes ({group.backend})" if group is not None
             else "eager" + ("" if args.eager or model.device.type != "cpu" else
                             ": `python -m minillm.compile --serve` (same --model/--dtype/--quant/--block-size) builds "

@@ -397,8 +397,6 @@ def test_the_command_lines_explain_and_check_the_graph_flags(capsys):
     assert "--block-size 0 is invalid" in capsys.readouterr().err
     from minillm.serve import main as serve_main
 
-    assert serve_main(["--compile", "--device", "cuda", "--port", "0"]) == 2  # refused before anything loads
-    assert "--compile builds the engine's step for the CPU only" in capsys.readouterr().err
     assert serve_main(["--compile", "--eager"]) == 2
 
 

@@ -232,3 +232,73 @@ def test_counting_a_steps_kernels_on_a_cpu_times_the_step_and_counts_none():
     counted = captured_kernels(compile_model(tiny_pair("llama")[1]), PROMPT)
     assert (counted["kernels"], counted["copies"], counted["kernel_us"], counted["longest"]) == (0, 0, 0, [])
     assert counted["step_us"] > 0
+
+
+# ------------------------------------------------------------------ the engine's step, bucketed (a GPU's server)
+
+
+def test_buckets_double_from_two_and_a_step_beyond_the_largest_is_refused():
+    from minillm.speed.paged_buckets import bucket, buckets_up_to
+
+    assert buckets_up_to(16) == [2, 4, 8, 16] and buckets_up_to(17) == [2, 4, 8, 16, 32] and buckets_up_to(1) == [2]
+    assert [bucket(n, [2, 4, 8]) for n in (1, 2, 3, 8)] == [2, 2, 4, 8]
+    with pytest.raises(ValueError, match="exceeds the largest bucket recorded"):
+        bucket(9, [2, 4, 8])
+
+
+def test_a_bucketed_paged_step_keeps_the_real_rows_and_writes_its_padding_to_the_scratch_block():
+    """Three rows over at most 3 blocks padded to a bucket of 4 rows and 4 blocks: the real rows' logits and every
+    block the block manager owns are the engine's eager step's; only the scratch block (one past the pool) was
+    written."""
+    from minillm.cache.paged import PackedSequences
+    from minillm.runtime.runner import ModelRunner
+    from minillm.speed.paged_buckets import BucketedPagedStep
+    from minillm.speed.step_shapes import PagedShape
+
+    _, model = tiny_pair("llama", context_length=256)
+    runner = ModelRunner(model, cache="paged", graph="eager", num_blocks=12, block_size=4)
+    tables = [[3, 7, 1], [0, 5, 9], [2, 4]]
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [23, 24, 25, 26, 27]]
+    with torch.inference_mode():
+        packed = PackedSequences.build(tables, [0, 0, 0], [6, 9, 5], 4)
+        runner.step(packed, torch.tensor(sum(prompts, [])), packed.last_tokens)
+        keys, values = ([torch.cat((pool, torch.zeros_like(pool[:1]))) for pool in pools]  # + the scratch block
+                        for pools in runner.cache.block_pools())
+        before = [pool[12].clone() for pool in keys]
+        packed = PackedSequences.build(tables, [6, 9, 5], [1, 1, 1], 4)
+        tokens = torch.tensor([21, 22, 28])
+        expected = runner.step(packed, tokens, packed.last_tokens)
+        step = BucketedPagedStep(PagedShape(4).module(compile_model(model).step_module), keys, values,
+                                 scratch_block=12, block_size=4, most_rows=3, most_blocks=5)
+        got = step(tokens[:, None], packed.positions[:, None], packed.slots, packed.decode_blocks, keys, values)
+    assert got.shape[0] == 3 and set(step.recorded) == {(4, 4)}
+    torch.testing.assert_close(got[:, 0], expected, rtol=1e-5, atol=1e-5)
+    for mine, engine in zip(keys + values, sum(map(list, runner.cache.block_pools()), [])):
+        torch.testing.assert_close(mine[:12], engine, rtol=1e-6, atol=1e-6)
+    assert any(not torch.equal(pool[12], old) for pool, old in zip(keys, before))
+
+
+@pytest.mark.slow  # it compiles
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_engine_compiled_in_the_process_decodes_the_eager_tokens(device):
+    """A GPU's server path: the engine's step compiled once in the process (sizes symbolic), padded to buckets and,
+    on a GPU, captured per bucket before the first request; one request and three, keys in one block and many,
+    greedy and sampled: the eager engine's tokens, and a second engine compiles nothing more. On a CPU the same, run
+    without recording."""
+    from minillm.decoding.sampling import SamplingConfig
+    from minillm.runtime.continuous import generate_continuous
+
+    model = tiny_pair("llama", context_length=256)[1].to(device)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], [2, 7], [1, 4, 1, 4, 2, 1, 3, 5, 6, 2, 3, 7, 3]]
+    configs = [SamplingConfig(max_new_tokens=n, do_sample=i == 1, seed=i, temperature=0.8)
+               for i, n in enumerate((30, 20, 9, 16))]
+    options = {"block_size": 4, "num_blocks": 64, "max_num_seqs": 3}
+    eager = generate_continuous(model, prompts, configs, arrivals=[0, 2, 2, 12],
+                                engine_options={**options, "graph": "eager"})
+    twin = compile_model(model)
+    runs = [generate_continuous(twin, prompts, configs, arrivals=[0, 2, 2, 12],
+                                engine_options={**options, "graph": "compiled"}) for _ in range(2)]
+    for compiled in runs:  # the second engine records its own pool, from the kernels the first compiled
+        assert compiled.token_ids == eager.token_ids
+        assert compiled.stats.extra["compiled_steps"] == compiled.stats.forward_passes - 3
+    assert twin.graphs <= 2  # compiled once (a first attempt that dynamo restarts reaches the backend too)

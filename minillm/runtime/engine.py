@@ -108,7 +108,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.manager = BlockManager(num_blocks, block_size, hash_fn, prefix_caching)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, watermark)
-        self.runner = ModelRunner(model, cache="paged", graph=graph, num_blocks=num_blocks, block_size=block_size)
+        self.runner = ModelRunner(model, cache="paged", graph=graph, num_blocks=num_blocks, block_size=block_size,
+                                  max_batch=max_num_seqs)  # the most rows a decode step holds (a GPU's buckets)
         self.requests: dict[int, Sequence] = {}
         self.timeline: list[StepRecord] = []
         self.forward_passes = 0

@@ -24,11 +24,12 @@ call a runner, so how the model runs (its cache, and its graph mode) is decided 
             never inside the loop; prompts run eagerly over the same cache, which measured faster
             than compiled chunks); over the paged cache, one kept package for the engine's steps in
             which every sequence decodes one token, its rows and lengths symbolic (`PagedShape`;
-            steps that prefill run eagerly); a model exported to ONNX (`minillm.speed.onnx_model.OnnxModel`)
-            is its own graphs: graph "onnx", set by itself; "auto": "compiled" when its package is
-            already on disk for this model and shape (and the model runs the default attention
-            kernel; on a GPU, where nothing is kept, never), else "eager" (what the command line and the
-            server run unless told)
+            steps that prefill run eagerly), on a GPU compiled in the process and captured once per
+            bucket of rows and blocks (`minillm.speed.paged_buckets`); a model exported to ONNX
+            (`minillm.speed.onnx_model.OnnxModel`) is its own graphs: graph "onnx", set by itself;
+            "auto": "compiled" when its package is already on disk for this model and shape (and the
+            model runs the default attention kernel; on a GPU, where nothing is kept, never), else
+            "eager" (what the command line and the server run unless told)
 
 A model the loader left out of huge pages (`load_model(defer_huge_pages=True)`, as the command line loads: a
 one-shot run) is placed there here, once, when the run decodes eagerly. A run through kept graphs leaves it where
@@ -47,15 +48,19 @@ session's job (`minillm.runtime.session`); the paged cache's are the block manag
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..cache.paged import PackedSequences, PagedAttention, PagedKVCache
 from ..model.attention import uses_default_attention
 from ..parallel.follow import Announced, announce, announce_runner, group_answering, leads
-from ..speed.compile import compile_model
+from ..speed.compile import CompiledModel, compile_model
+from ..speed.cuda_graph import CapturedStep
 from ..speed.graph_forward import graph_problem
 from ..speed.huge_pages import place_deferred, placement_deferred
 from ..speed.onednn import use_unpacked_onednn
+from ..speed.paged_buckets import BucketedPagedStep
 from ..speed.onnx_model import OnnxModel, OnnxSession
 from ..speed.step_shapes import PagedShape, StepShape, any_length_cache
 from .sequence import Sequence
@@ -122,9 +127,6 @@ class ModelRunner:
                              f"cache={cache!r}: use cache='static'")
         if graph == "compiled" and cache == "paged" and (problem := graph_problem(model.config, cache)):
             raise ValueError(f"{problem}: serve this model without --compile")
-        if graph == "compiled" and cache == "paged" and model.device.type != "cpu":
-            raise ValueError("the engine's compiled step is built for the CPU only so far: on a GPU serve eagerly "
-                             "(drop --compile), or decode one batch with python -m minillm.infer --compile")
         if graph == "onnx" and not exported or exported and (graph == "compiled" or cache != "static"):
             raise ValueError("an ONNX export runs its own graphs over its own static cache: load it with "
                              "OnnxModel(folder) and leave cache and compile at their defaults")
@@ -141,13 +143,27 @@ class ModelRunner:
         if cache == "paged":
             if num_blocks is None:
                 raise ValueError("a paged runner needs num_blocks (the pool's size)")
-            self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
             self.session, self.decode_step = None, None
             self.compiled_steps = 0  # steps the compiled graph ran (the rest, prefilling ones, ran eagerly)
-            if graph == "compiled":
-                compiled = compile_model(model, kept=True)
+            compiled = compile_model(model, kept=model.device.type == "cpu") if graph == "compiled" else None
+            # Compiled in this process (a GPU's path), the step is padded to buckets whose spare rows write
+            # into one more block than the block manager hands out (`BucketedPagedStep`).
+            bucketed = compiled is not None and not compiled.kept
+            self.cache = PagedKVCache.for_model(model, num_blocks + bucketed, block_size)
+            if isinstance(model, CompiledModel):  # its twin decodes; prefilling steps run the model eagerly
+                self.model = model.model
+            if compiled is not None and compiled.kept:
                 self.build_seconds = compiled.prepare(shapes)
-                self.decode_step, self.pools = compiled.packages[shapes[0]], self.cache.block_pools()
+                self.decode_step = compiled.packages[shapes[0]]
+            elif bucketed:
+                start = time.perf_counter()
+                most_blocks = min(num_blocks, -(-model.config.context_length // block_size))
+                self.decode_step = BucketedPagedStep(compiled.paged_step(shapes[0]), *self.cache.block_pools(),
+                                                     num_blocks, block_size, max_batch, most_blocks,
+                                                     CapturedStep if model.device.type == "cuda" else None)
+                self.decode_step.record_all()
+                self.build_seconds = time.perf_counter() - start
+            self.pools = self.cache.block_pools()
             return
         if graph == "compiled":  # one cache length per bucket, so most runs reuse the graphs already built
             # On a CPU the graphs are AOTInductor packages kept on disk; on a GPU they are compiled in this

@@ -200,6 +200,30 @@ class CompiledModel:
         session.cache.reset()  # the rows prefill starts over
         return step
 
+    def paged_step(self, shape: PagedShape):
+        """The engine's step (`PagedDecodeStep`) compiled in this process with its sizes symbolic, under this
+        model's settings: what a GPU records once per bucket of rows and blocks (`BucketedPagedStep`). It
+        compiles on its first call, once per process: each engine's pool is recorded afresh, from the same
+        compiled kernels."""
+        if self.kept:
+            raise ValueError("a kept model loads the engine's step as a package (prepare); paged_step compiles it "
+                             "in this process, which a GPU does")
+        if shape not in self.packages:
+            self.packages[shape] = self._paged_in_process(shape)
+        return self.packages[shape]
+
+    def _paged_in_process(self, shape: PagedShape):
+        compiled = torch.compile(shape.module(self.step_module), backend=self._backend, fullgraph=True, dynamic=True,
+                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        matmuls = self.matmuls_for(shape)
+
+        def step(*args):
+            # Sizes that happen to be equal at the first call (a bucket's 2 blocks, 2 key heads) are not taken for
+            # one size ("duck shaping"): the next bucket would compile again.
+            with inductor_settings(matmuls, self.device), torch.fx.experimental._config.patch(use_duck_shape=False):
+                return compiled(*args)
+        return step
+
     def _compiled_step(self, *args):
         """This process's compiled step, its compile time counted (what `_timed` runs when nothing is kept)."""
         graphs, start = self.graphs, time.perf_counter()
