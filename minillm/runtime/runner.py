@@ -48,6 +48,7 @@ session's job (`minillm.runtime.session`); the paged cache's are the block manag
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -158,9 +159,10 @@ class ModelRunner:
             elif bucketed:
                 start = time.perf_counter()
                 most_blocks = min(num_blocks, -(-model.config.context_length // block_size))
+                record = (functools.partial(CapturedStep, pool=torch.cuda.graph_pool_handle())
+                          if model.device.type == "cuda" else None)  # on a GPU every bucket in one memory pool
                 self.decode_step = BucketedPagedStep(compiled.paged_step(shapes[0]), *self.cache.block_pools(),
-                                                     num_blocks, block_size, max_batch, most_blocks,
-                                                     CapturedStep if model.device.type == "cuda" else None)
+                                                     num_blocks, block_size, max_batch, most_blocks, record)
                 self.decode_step.record_all()
                 self.build_seconds = time.perf_counter() - start
             self.pools = self.cache.block_pools()

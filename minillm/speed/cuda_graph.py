@@ -26,12 +26,14 @@ class CapturedStep:
 
     inputs: the step's tensors before the cache (tokens, positions, columns, mask, logits_at
     or None), each [B, T, ...]; keys, values: the cache's per-layer storage, which the graph
-    reads and writes where it lies (a new cache needs a new recording).
+    reads and writes where it lies (a new cache needs a new recording). pool: a memory pool
+    shared with other recordings (`torch.cuda.graph_pool_handle()`), as the engine's buckets
+    share one: safe because one step runs at a time and its output is copied out at once.
     """
 
     WARMUP = 2  # calls before recording: the first compiles, both settle the allocator and the kernels' caches
 
-    def __init__(self, step, inputs, keys, values):
+    def __init__(self, step, inputs, keys, values, pool=None):
         self.step, self.keys, self.values = step, keys, values
         self.inputs = [None if t is None else t.clone() for t in inputs]  # the graph reads these buffers
         side = torch.cuda.Stream()  # warm up off the main stream, as CUDA graph capture requires
@@ -41,7 +43,7 @@ class CapturedStep:
                 step(*self.inputs, keys, values)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.output = step(*self.inputs, keys, values)  # [B, K, V], rewritten by every replay
 
     def __call__(self, *args) -> torch.Tensor:
