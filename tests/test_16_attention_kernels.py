@@ -366,12 +366,13 @@ def test_report_and_plot_from_a_synthetic_result(tmp_path):
 # --- Triton: the same algorithm as a GPU kernel. -------------------------------------------------------------------
 
 def test_triton_kernel_equals_sdpa():
-    """On CUDA when present; else in Triton's interpreter on CPU tensors (a subprocess: the interpreter is
-    chosen when triton is imported). Skips where triton is not installed."""
+    """Lesson 16's kernel and flash-decoding (`check_against_sdpa`), on CUDA when present; else in Triton's
+    interpreter on CPU tensors (a subprocess: the interpreter is chosen when triton is imported). Skips where
+    triton is not installed."""
     pytest.importorskip("triton")
     code = ("import torch; from minillm.speed.attention_triton import check_against_sdpa; "
             "print(check_against_sdpa('cuda' if torch.cuda.is_available() else 'cpu'))")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -21,6 +21,10 @@ shared with other work a descheduled thread stalls every barrier, and we measure
 same flash call swing from 0.3 s to 14 s with two threads while one thread stayed
 within 20%. One thread compares the kernels' work, not the neighbours' load.
 
+On a GPU where triton is installed, the suite also times lesson 16's Triton kernel beside
+SDPA (prefills), and flash-decoding beside both for one query over caches of up to 128k keys
+(the "triton" section of the JSON; `triton_kernels`).
+
     python -m minillm.bench attention            # L = 256 .. 4096, about two minutes
     python -m minillm.bench attention --quick    # L = 64 .. 256
 """
@@ -175,9 +179,44 @@ def measure(args) -> dict:
         sweep = [{"tile": tile, "ms": 1000 * median(sweep_times[str(tile)]),
                   "ms_per_repeat": [1000 * s for s in sweep_times[str(tile)]],
                   "peak_mib": peak_bytes(call) / 2**20} for tile, call in sweep_calls.items()]
+        triton = triton_kernels(H, KV, hd, args.device, repeats, args.quick)
     return {"model": args.model, "quick": args.quick, "dtype": "float32", "repeats": repeats,
             "heads": H, "kv_heads": KV, "head_dim": hd, "batch": 1, "tile": TILE, "threads": 1, "rows": rows,
-            "sweep": {"length": sweep_length, "tiles": sweep}}
+            "sweep": {"length": sweep_length, "tiles": sweep}, **({"triton": triton} if triton else {})}
+
+
+def triton_kernels(H: int, KV: int, hd: int, device, repeats: int, quick: bool) -> dict | None:
+    """On a GPU where triton imports: lesson 16's Triton kernel beside SDPA over causal prefills, and for one
+    query over a long cache (a decode step's attention) beside flash-decoding, which also splits the keys
+    (`minillm.speed.attention_triton`); each call's largest difference from SDPA. None elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        from ..speed.attention_triton import triton_flash_attention, triton_flash_decode
+    except ImportError:
+        return None
+    sdpa, gen, measured = SDPABackend(), torch.Generator().manual_seed(1), {}
+    shapes = {"prefill": [(L, L) for L in ((256, 1024) if quick else (256, 1024, 4096))],
+              "decode": [(1, S) for S in ((1024, 8192) if quick else (1024, 8192, 32768, 131072))]}
+    for kind, sizes in shapes.items():
+        measured[kind] = []
+        for T, S in sizes:
+            q = torch.randn(1, H, T, hd, generator=gen).to(device)
+            k, v = (torch.randn(1, KV, S, hd, generator=gen).to(device) for _ in range(2))
+            step = AttentionStep(torch.zeros(1, T, dtype=torch.long, device=device))
+            calls = {"sdpa": lambda: sdpa(q, k, v, step), "triton flash": lambda: triton_flash_attention(q, k, v)[0]}
+            if kind == "decode":
+                calls["triton flash-decoding"] = lambda: triton_flash_decode(q, k, v)[0]
+            reference = calls["sdpa"]()
+            times = alternate({name: timed(call, device) for name, call in calls.items()}, repeats=repeats,
+                              warmup=1, desc=f"triton {kind} {S}")
+            row = {"queries": T, "keys": S, "ms": {name: 1000 * median(t) for name, t in times.items()},
+                   "ms_per_repeat": {name: [1000 * x for x in t] for name, t in times.items()},
+                   "max_abs_error_vs_sdpa": {name: float((call() - reference).abs().max())
+                                             for name, call in calls.items() if name != "sdpa"}}
+            measured[kind].append(row)
+            tqdm.write(f"triton {kind} {T}x{S}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in row["ms"].items()))
+    return measured
 
 
 def plot(data: dict, path=None):
