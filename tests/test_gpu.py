@@ -302,3 +302,24 @@ def test_the_engine_compiled_in_the_process_decodes_the_eager_tokens(device):
         assert compiled.token_ids == eager.token_ids
         assert compiled.stats.extra["compiled_steps"] == compiled.stats.forward_passes - 3
     assert twin.graphs <= 2  # compiled once (a first attempt that dynamo restarts reaches the backend too)
+
+
+def test_a_captured_steps_time_is_predicted_from_its_kernel_count_a_probed_floor_and_its_bytes():
+    """The decode suite's prediction, from constants alone: 240 kernels at 4 µs each and 538 MB at 4 TB/s are
+    0.96 + 0.1345 ms in series, the kernels 88% of it; the profiled durations play no part."""
+    from minillm.bench.kernels import predicted_step
+
+    counted = {"kernels": 240, "copies": 3, "kernel_us": 1e9, "step_us": 1e9, "longest": []}
+    predicted = predicted_step(counted, 4e-6, 538_000_000, 4e12)
+    assert predicted["predicted_ms"] == pytest.approx(0.96 + 0.1345)
+    assert predicted["predicted_launch_share"] == pytest.approx(0.96 / 1.0945)
+    assert predicted["floor_us"] == pytest.approx(4.0) and predicted["kernels"] == 240
+
+
+@pytest.mark.gpu
+def test_the_floor_a_kernel_pays_inside_a_cuda_graph_is_microseconds():
+    from minillm.costmodel.probes import measure_graph_kernel_seconds
+
+    floor = measure_graph_kernel_seconds()
+    print(f"{floor * 1e6:.2f} µs a kernel")
+    assert 1e-7 < floor < 5e-5

@@ -25,7 +25,8 @@ streamer timestamps its tokens). Plus: prefill time of a 512-token prompt. With
 as `--quant` loads it, eager ("minillm static") against compiled ("minillm compiled",
 on a GPU "minillm captured"), and llama.cpp on the GGUF as Q8_0 (int8) or as stored
 (Q4_1 for the default model: int4, gguf). On a GPU the profiler then counts each
-captured step's kernels (`minillm.bench.kernels`, "kernels_per_step").
+captured step's kernels (`minillm.bench.kernels`, "kernels_per_step") before the timed
+rounds, and predicts its time from the count, a probed floor per kernel and the bytes.
 
     python -m minillm.bench decode            # 128 prompt + 128 new tokens, 512-token prefill
     python -m minillm.bench decode --quick    # 32 + 16, 128-token prefill, float32 + minillm bf16
@@ -39,7 +40,7 @@ import time
 
 import torch
 
-from ..costmodel.probes import measure_memory_bandwidth, synchronize
+from ..costmodel.probes import measure_graph_kernel_seconds, measure_memory_bandwidth, synchronize
 from ..decoding.sampling import SamplingConfig
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
@@ -48,7 +49,7 @@ from ..speed.quantize_model import weight_bytes
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import alternate, finish_figure, median, plot_title, spread
-from .kernels import captured_kernels
+from .kernels import captured_kernels, predicted_step
 from .llama_bench import GGUF_TYPE, QUANTIZED, LlamaBench, llama_bench_problem
 from .llama_cpp import gguf_as
 
@@ -133,6 +134,7 @@ def run(args) -> dict:
         raise ValueError(llama)
     bandwidth = measure_memory_bandwidth(device=args.device)
     on_gpu = torch.device(args.device).type == "cuda"
+    floor = measure_graph_kernel_seconds(device=args.device) if on_gpu else None  # a captured kernel's least cost
     compiled = "minillm captured" if on_gpu else "minillm compiled"  # what --compile runs on this device
 
     results, prefill, kernels = {}, None, {}
@@ -174,10 +176,15 @@ def run(args) -> dict:
             gguf = gguf_as(source, GGUF_TYPE[section]) if section in GGUF_TYPE else source
             contenders["llama.cpp"] = LlamaBench(program, gguf, prompt_tokens, new_tokens, args.device,
                                                  torch.get_num_threads())
+        if on_gpu:  # each captured step's kernels counted first, and its time predicted from the count alone
+            kernels[section] = {name: predicted_step(captured_kernels(runs, prompt), floor, weight_bytes(model),
+                                                     bandwidth) for name, runs in captured.items()}
         times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode {section}")
         results[section] = section_rows(section, times, records, weight_bytes(model), bandwidth, new_tokens)
-        if on_gpu:  # kernels per captured step, counted by the profiler after the timed rounds
-            kernels[section] = {name: captured_kernels(runs, prompt) for name, runs in captured.items()}
+        for name, counted in kernels.get(section, {}).items():
+            counted["measured_ms"] = results[section]["contenders"][name]["ms_per_token"]
+            print(f"{section:8s} {name:34s} {counted['kernels']} kernels: predicted {counted['predicted_ms']:.3f} "
+                  f"ms a token, measured {counted['measured_ms']:.3f}", flush=True)
         if dtype == "float32" and quant == "none":
             prefill = _prefill(model, hf_model, ids[:prefill_tokens], args.device, repeats)
             print(f"prefill {prefill_tokens} tokens: minillm {prefill['minillm']:.3f} s, "

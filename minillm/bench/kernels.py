@@ -58,4 +58,15 @@ def captured_kernels(model, prompt: list[int], longest: int = 10) -> dict:
             "step_us": step_us, "longest": [[name, seen[name], us] for name, us in spent.most_common(longest)]}
 
 
-__all__ = ["captured_kernels"]
+def predicted_step(counted: dict, floor_seconds: float, weight_bytes: int, bandwidth: float) -> dict:
+    """`counted` (from `captured_kernels`) with the step's predicted milliseconds, from probed constants alone:
+    every kernel pays the floor a kernel costs inside a CUDA graph (`measure_graph_kernel_seconds`), and the
+    weights stream once at the measured bandwidth, the two in series (an upper estimate: a matmul's stream
+    also covers its own floor). The kernels' own profiled durations are not used."""
+    launches = counted["kernels"] * floor_seconds
+    return {**counted, "floor_us": floor_seconds * 1e6,
+            "predicted_ms": 1000 * (launches + weight_bytes / bandwidth),
+            "predicted_launch_share": launches / (launches + weight_bytes / bandwidth)}
+
+
+__all__ = ["captured_kernels", "predicted_step"]

@@ -162,6 +162,27 @@ def measure_sync_seconds(bursts: int = 50, repeat: int = 100, device: str = "cpu
     return fastest(lambda: x.item(), bursts, repeat)
 
 
+def measure_graph_kernel_seconds(kernels: int = 256, bursts: int = 20, device: str = "cuda") -> float:
+    """What one kernel costs inside a CUDA graph when it does nothing: `kernels` one-element adds recorded as one
+    graph, the fastest replay over the count. The floor under every kernel of a captured step (its launch and
+    the gap before the next), which no fusion of work inside a kernel removes; only fewer kernels do."""
+    x = torch.zeros(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add_(1)  # warm: the kernel loaded before recording
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.add_(1)
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+    return fastest(replay, bursts) / kernels
+
+
 ALLREDUCE_BYTES = (256, 2304, 2**14, 2**17, 2**20)  # one row of a small and of the default model, to a batch's
 
 
