@@ -246,6 +246,28 @@ def test_buckets_double_from_two_and_a_step_beyond_the_largest_is_refused():
         bucket(9, [2, 4, 8])
 
 
+def test_every_bucket_is_recorded_before_serving_largest_first_over_the_scratch_block_alone():
+    """What a GPU records at start: one recording per (rows, blocks) bucket, the largest first, each over inputs
+    that touch only the scratch block (a recording's writes must land where no sequence reads)."""
+    from minillm.speed.paged_buckets import BucketedPagedStep
+
+    pool = [torch.zeros(13, 4, 2, 8)]
+    made = []
+
+    def record(step, inputs, keys, values):
+        made.append(inputs)
+        return step
+
+    step = BucketedPagedStep("the step", pool, pool, scratch_block=12, block_size=4, most_rows=3, most_blocks=5,
+                             record=record)
+    step.record_all(progress=False)
+    assert [tuple(inputs[3].shape) for inputs in made] == [(4, 8), (4, 4), (4, 2), (2, 8), (2, 4), (2, 2)]
+    for tokens, positions, slots, tables in made:
+        assert not tokens.any() and not positions.any()
+        assert (slots == 12 * 4).all() and (tables == 12).all()
+    assert set(step.recorded.values()) == {"the step"}
+
+
 def test_a_bucketed_paged_step_keeps_the_real_rows_and_writes_its_padding_to_the_scratch_block():
     """Three rows over at most 3 blocks padded to a bucket of 4 rows and 4 blocks: the real rows' logits and every
     block the block manager owns are the engine's eager step's; only the scratch block (one past the pool) was

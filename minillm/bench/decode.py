@@ -12,7 +12,7 @@ produce exactly `new_tokens` tokens):
     minillm captured                  on a GPU: `generate(compile=True)`, the decode step compiled and
                                       captured as one CUDA graph (lesson 15), what `--compile` runs there
                                       (its one-row matmuls Inductor's reductions: `matmul_kernels`)
-    minillm captured, library matmuls on a GPU: the same with cuBLAS's matrix-vector products
+    minillm captured, library matmuls on a GPU, float32: the same with cuBLAS's matrix-vector products
     transformers                      `generate`, its default dynamic cache
     transformers static               `generate(cache_implementation="static")`
     llama.cpp                         with --llama-bench PATH: llama.cpp's own benchmark program on the GGUF
@@ -162,9 +162,10 @@ def run(args) -> dict:
             caches = ("static", "dynamic", "none") if dtype == "float32" else ("static", "dynamic")
             for cache in caches if not (quick and dtype != "float32") else ("static",):
                 minillm(f"minillm {cache}", cache)
-            if on_gpu:  # what `--compile --device cuda` runs: the step as one CUDA graph; and with cuBLAS's matvecs
-                minillm(compiled, "static", compile=True)
-                minillm(f"{compiled}, library matmuls", "static", compile_model(model, matmuls="library"), True)
+            if on_gpu:  # what `--compile --device cuda` runs: the step as one CUDA graph (in FP32 also with cuBLAS's
+                minillm(compiled, "static", compile=True)  # matrix-vector products: the kernels before fusion)
+                if dtype == "float32":
+                    minillm(f"{compiled}, library matmuls", "static", compile_model(model, matmuls="library"), True)
             if not (quick and dtype != "float32"):
                 contenders["transformers"] = _transformers(hf_model, prompt, new_tokens, args.device,
                                                            records.setdefault("transformers", []))

@@ -91,6 +91,9 @@ class CompiledModel:
         # the twin and its weights are frozen into the graph, so the checks on it are skipped.
         self.step = torch.compile(self.step_module, backend=self._backend, fullgraph=True, dynamic=False,
                                   options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # Every twin (a model and its settings) compiles the same forward, an entry per shape on one code object;
+        # past dynamo's default of 8 the next would run eagerly without a word (a GPU suite's seven twins came near).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     @functools.cached_property
     def step_module(self) -> CacheStep:
