@@ -47,6 +47,16 @@ def test_steps_prepared_in_the_process_decode_like_eager_and_never_compile_in_th
     torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # it compiles
+def test_generate_through_a_twin_compiled_in_the_process_sizes_its_cache_as_a_gpu_does():
+    """A twin compiled in this process (a GPU's way; the decode suite's cuBLAS contender passes one) is given a
+    cache of its own fixed length on a CPU too, not the kept packages' any-length one: 300 tokens (a 512-key
+    cache, past the any-length graphs' hint) decode eager's tokens."""
+    model = tiny_pair("llama", context_length=512)[1]
+    eager = generate(model, [PROMPT], max_new_tokens=300).token_ids
+    assert generate(compile_model(model), [PROMPT], max_new_tokens=300, compile=True).token_ids == eager
+
+
 def test_preparing_in_the_process_needs_the_session_it_compiles_over():
     compiled = compile_model(tiny_pair("llama")[1])
     with pytest.raises(ValueError, match="pass the fixed-shape DecodeSession"):

@@ -101,7 +101,8 @@ class ModelRunner:
         shapes = [StepShape.decode(model.config, max_batch, max_len)]  # the compiled graphs the run needs
         if verify_tokens and verify_tokens > 1:
             shapes.append(StepShape.verify(model.config, max_batch, verify_tokens, max_len))
-        if not exported and model.device.type == "cpu":  # kept packages: one serves every cache length
+        in_process = isinstance(model, CompiledModel) and not model.kept  # a twin compiled here, as a GPU's is
+        if not exported and model.device.type == "cpu" and not in_process:  # kept packages: one for every length
             shapes = [shape.any_length() for shape in shapes]
         if cache == "paged":  # the engine's one step that is compiled: every sequence decoding
             shapes = [PagedShape(block_size)]
