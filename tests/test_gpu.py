@@ -79,6 +79,7 @@ def cuda_launches(fn) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.real_model  # loads the default model itself: marked by hand
 @pytest.mark.gpu
 def test_a_captured_decode_step_is_one_graph_launch_where_eager_launches_hundreds():
     """The reason for capturing: eager PyTorch launches every op's kernel from Python, one by one; the
@@ -104,6 +105,7 @@ def test_a_captured_decode_step_is_one_graph_launch_where_eager_launches_hundred
     assert counts["eager"]["kernels"] > 10 * (counts["compiled"]["kernels"] + 1)
 
 
+@pytest.mark.real_model  # loads the default model itself: marked by hand
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_captured_path_on_a_gpu_gives_eagers_tokens_and_fp32_gives_transformers(dtype):
@@ -179,6 +181,7 @@ def test_quantized_linears_on_a_gpu_hold_the_cpus_weights_and_multiply_like_them
     assert relative_error(gpu4(x.cuda()).cpu(), x.float() @ exact.t()) < 2e-2
 
 
+@pytest.mark.real_model  # loads the default model itself: marked by hand
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["int8", "gguf"])
 def test_the_quantized_model_on_a_gpu_scores_like_the_cpus_and_its_captured_step_decodes_like_eager(quant):
@@ -220,6 +223,7 @@ def test_a_one_row_matmul_compiled_for_a_gpu_is_a_generated_reduction_not_a_cubl
         assert relative_error(out, module(x)) < 2e-2
 
 
+@pytest.mark.real_model  # loads the default model itself: marked by hand
 @pytest.mark.gpu
 def test_the_profiler_counts_a_captured_steps_kernels():
     """The decode suite's kernel count: hundreds of kernels in one captured step of the default model, the GPU
