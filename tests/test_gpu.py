@@ -352,6 +352,13 @@ def test_a_captured_steps_time_is_predicted_from_its_kernel_count_a_probed_floor
     assert predicted["floor_us"] == pytest.approx(4.0) and predicted["kernels"] == 240
 
 
+def test_a_count_that_fails_is_reported_in_one_line_and_leaves_the_suite_running():
+    from minillm.bench.kernels import counted_and_predicted
+
+    counted = counted_and_predicted(object(), PROMPT, 4e-6, 1, 1.0)  # no model: the runner cannot be made
+    assert set(counted) == {"error"} and counted["error"].startswith("AttributeError") and "\n" not in counted["error"]
+
+
 @pytest.mark.gpu
 def test_the_floor_a_kernel_pays_inside_a_cuda_graph_is_microseconds():
     from minillm.costmodel.probes import measure_graph_kernel_seconds

@@ -49,7 +49,7 @@ from ..speed.quantize_model import weight_bytes
 from ..strategies.generate import generate
 from .batch import TEXT
 from .common import alternate, finish_figure, median, plot_title, spread
-from .kernels import captured_kernels, predicted_step
+from .kernels import counted_and_predicted
 from .llama_bench import GGUF_TYPE, QUANTIZED, LlamaBench, llama_bench_problem
 from .llama_cpp import gguf_as
 
@@ -178,11 +178,14 @@ def run(args) -> dict:
             contenders["llama.cpp"] = LlamaBench(program, gguf, prompt_tokens, new_tokens, args.device,
                                                  torch.get_num_threads())
         if on_gpu:  # each captured step's kernels counted first, and its time predicted from the count alone
-            kernels[section] = {name: predicted_step(captured_kernels(runs, prompt), floor, weight_bytes(model),
-                                                     bandwidth) for name, runs in captured.items()}
+            kernels[section] = {name: counted_and_predicted(runs, prompt, floor, weight_bytes(model), bandwidth)
+                                for name, runs in captured.items()}
         times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode {section}")
         results[section] = section_rows(section, times, records, weight_bytes(model), bandwidth, new_tokens)
         for name, counted in kernels.get(section, {}).items():
+            if "error" in counted:
+                print(f"{section:8s} {name:34s} kernels not counted: {counted['error']}", flush=True)
+                continue
             counted["measured_ms"] = results[section]["contenders"][name]["ms_per_token"]
             print(f"{section:8s} {name:34s} {counted['kernels']} kernels: predicted {counted['predicted_ms']:.3f} "
                   f"ms a token, measured {counted['measured_ms']:.3f}", flush=True)

@@ -69,4 +69,13 @@ def predicted_step(counted: dict, floor_seconds: float, weight_bytes: int, bandw
             "predicted_launch_share": launches / (launches + weight_bytes / bandwidth)}
 
 
-__all__ = ["captured_kernels", "predicted_step"]
+def counted_and_predicted(model, prompt: list[int], floor_seconds: float, weight_bytes: int, bandwidth: float) -> dict:
+    """`captured_kernels` with `predicted_step`'s prediction; where counting fails (a profiler that sees no
+    kernels inside graphs, say), {"error": the one-line reason}: the count must not cost the suite its timings."""
+    try:
+        return predicted_step(captured_kernels(model, prompt), floor_seconds, weight_bytes, bandwidth)
+    except Exception as error:  # any failure of the profile: reported in the results, the timed rounds still run
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+
+
+__all__ = ["captured_kernels", "counted_and_predicted", "predicted_step"]
