@@ -93,7 +93,8 @@ class CompiledModel:
                                   options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         # Every twin (a model and its settings) compiles the same forward, an entry per shape on one code object;
         # past dynamo's default of 8 the next would run eagerly without a word (a GPU suite's seven twins came near).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))  # (an older torch's name)
 
     @functools.cached_property
     def step_module(self) -> CacheStep:
@@ -216,6 +217,8 @@ class CompiledModel:
         return self.packages[shape]
 
     def _paged_in_process(self, shape: PagedShape):
+        from torch.fx.experimental import _config as shapes_config
+
         compiled = torch.compile(shape.module(self.step_module), backend=self._backend, fullgraph=True, dynamic=True,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         matmuls = self.matmuls_for(shape)
@@ -223,7 +226,7 @@ class CompiledModel:
         def step(*args):
             # Sizes that happen to be equal at the first call (a bucket's 2 blocks, 2 key heads) are not taken for
             # one size ("duck shaping"): the next bucket would compile again.
-            with inductor_settings(matmuls, self.device), torch.fx.experimental._config.patch(use_duck_shape=False):
+            with inductor_settings(matmuls, self.device), shapes_config.patch(use_duck_shape=False):
                 return compiled(*args)
         return step
 
