@@ -61,8 +61,8 @@ from ..speed.cuda_graph import CapturedStep
 from ..speed.graph_forward import graph_problem
 from ..speed.huge_pages import place_deferred, placement_deferred
 from ..speed.onednn import use_unpacked_onednn
-from ..speed.paged_buckets import BucketedPagedStep
 from ..speed.onnx_model import OnnxModel, OnnxSession
+from ..speed.paged_buckets import BucketedPagedStep
 from ..speed.step_shapes import PagedShape, StepShape, any_length_cache
 from .sequence import Sequence
 from .session import DecodeSession, Tree
