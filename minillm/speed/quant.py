@@ -27,8 +27,9 @@ made (quantize after the model is on its device): int4 on the tinygemm kernel
 (`aten._weight_int4pack_mm`, bfloat16 activations, its own tile layout from
 `_convert_weight_to_int4pack`, the same (q − 8)·s + z); int8 as the dequantization and a
 matmul written out (`int8_dequantizing_matmul`), which Inductor fuses into one kernel that
-reads the int8 codes once a batch-1 step is compiled (gpt-fast's recipe: ATen's CUDA int8
-kernel gives each output one thread that walks its row alone). Dynamic and static int8 stay
+reads the int8 codes once a batch-1 step is compiled (gpt-fast's recipe; ATen's CUDA int8
+kernel, in the pytorch source read for this, gives each output one thread that walks its row
+alone, so neighbouring threads read addresses a row apart). Dynamic and static int8 stay
 on the CPU: `torch._int_mm` on a GPU needs more than 16 rows, and a decode step has one.
 
 The kernels stream the codes once per activation row: right for decoding, slow for a
