@@ -54,7 +54,7 @@ from .graph_forward import CacheStep, graph_ready_copy, refuse_ungraphable
 from .graph_store import PackagedStep, graph_key, kept_problem, load_or_build
 from .inductor import check_matmul_kernels, inductor_settings, matmul_kernels
 from .onednn import linears_call_onednn
-from .step_shapes import PagedShape, StepShape
+from .step_shapes import PagedShape, StepShape, causal_columns, spare_rows_fed
 
 
 class CompiledModel:
@@ -359,30 +359,6 @@ class CompiledModel:
         return torch.stack(pieces)[wanted // C, rows, torch.arange(wanted.shape[1], device=tokens.device)]
 
 
-def causal_columns(columns: torch.Tensor, length: int) -> torch.Tensor:
-    """bool [B, T, S]: each new token (at `columns` [B, T]) sees the cache columns up to its own."""
-    return torch.arange(length, device=columns.device) <= columns[:, :, None]
-
-
-def spare_rows_fed(rows: int, tokens, positions, columns, mask):
-    """The step's inputs for every row the cache holds: rows past the B in use (finished sequences' rows)
-    are fed token 0 at column 0, where they see only that column.
-
-    A graph's batch is fixed: running the cache's every row keeps one graph for the whole run
-    while sequences finish and leave. The spare rows' writes land in rows nobody reads.
-    tokens, positions, columns [B, T], mask [B, T, S] -> each with `rows` rows.
-    """
-    B, T = tokens.shape
-    if rows == B:
-        return tokens, positions, columns, mask
-    spare = rows - B
-    zeros = tokens.new_zeros(spare, T)
-    first_column = torch.zeros(spare, T, mask.shape[-1], dtype=torch.bool, device=mask.device)
-    first_column[:, :, 0] = True
-    return (torch.cat((tokens, zeros)), torch.cat((positions, zeros)), torch.cat((columns, zeros)),
-            torch.cat((mask, first_column)))
-
-
 class CompiledTwins(dict):
     """A model's compiled twins, kept on the model itself: (chunk, matmuls, kept) -> CompiledModel.
 
@@ -417,4 +393,4 @@ def compile_model(model, chunk: int = 64, matmuls: str | None = None, kept: bool
     return twins[chunk, matmuls, kept]
 
 
-__all__ = ["CompiledModel", "compile_model", "spare_rows_fed"]
+__all__ = ["CompiledModel", "compile_model"]

@@ -3,7 +3,8 @@
 `StepShape` fixes every size of a step over a contiguous static cache (rows, tokens fed,
 cache length, logits kept); `PagedShape` is the engine's decode step over the paged pool,
 whose sizes stay symbolic. Each gives the example inputs the export traces and the module
-it exports; `context_bucket` rounds a run's length to the cache lengths graphs are built for.
+it exports; `context_bucket` rounds a run's length to the cache lengths graphs are built for;
+`spare_rows_fed` fills a step's inputs out to the rows its shape fixes.
 """
 
 from __future__ import annotations
@@ -165,4 +166,29 @@ def context_bucket(tokens: int, context_length: int) -> int:
     return min(context_length, max(SMALLEST_BUCKET, 1 << (tokens - 1).bit_length()))
 
 
-__all__ = ["ANY_LENGTH_HINT", "PagedShape", "SMALLEST_BUCKET", "StepShape", "any_length_cache", "context_bucket"]
+def causal_columns(columns: torch.Tensor, length: int) -> torch.Tensor:
+    """bool [B, T, S]: each new token (at `columns` [B, T]) sees the cache columns up to its own."""
+    return torch.arange(length, device=columns.device) <= columns[:, :, None]
+
+
+def spare_rows_fed(rows: int, tokens, positions, columns, mask):
+    """The step's inputs for every row the cache holds: rows past the B in use (finished sequences' rows)
+    are fed token 0 at column 0, where they see only that column.
+
+    A graph's batch is fixed: running the cache's every row keeps one graph for the whole run
+    while sequences finish and leave. The spare rows' writes land in rows nobody reads.
+    tokens, positions, columns [B, T], mask [B, T, S] -> each with `rows` rows.
+    """
+    B, T = tokens.shape
+    if rows == B:
+        return tokens, positions, columns, mask
+    spare = rows - B
+    zeros = tokens.new_zeros(spare, T)
+    first_column = torch.zeros(spare, T, mask.shape[-1], dtype=torch.bool, device=mask.device)
+    first_column[:, :, 0] = True
+    return (torch.cat((tokens, zeros)), torch.cat((positions, zeros)), torch.cat((columns, zeros)),
+            torch.cat((mask, first_column)))
+
+
+__all__ = ["ANY_LENGTH_HINT", "PagedShape", "SMALLEST_BUCKET", "StepShape", "any_length_cache", "causal_columns",
+           "context_bucket", "spare_rows_fed"]
