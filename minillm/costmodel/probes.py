@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..model.attention import causal_mask_lower_right
 from ..model.config import ModelConfig
+from ..speed.cuda_graph import recorded
 from ..speed.huge_pages import into_huge_pages
 from ..speed.onednn import use_onednn
 from .model import SMOLLM2_135M, Machine, block_matrix_shapes, head_shape, matmul_flops
@@ -167,15 +168,11 @@ def measure_graph_kernel_seconds(kernels: int = 256, bursts: int = 20, device: s
     graph, the fastest replay over the count. The floor under every kernel of a captured step (its launch and
     the gap before the next), which no fusion of work inside a kernel removes; only fewer kernels do."""
     x = torch.zeros(1, device=device)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x.add_(1)  # warm: the kernel loaded before recording
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
+
+    def adds():
         for _ in range(kernels):
             x.add_(1)
+    graph, _ = recorded(adds, warmup=1)
 
     def replay():
         graph.replay()

@@ -36,15 +36,8 @@ class CapturedStep:
     def __init__(self, step, inputs, keys, values, pool=None):
         self.step, self.keys, self.values = step, keys, values
         self.inputs = [None if t is None else t.clone() for t in inputs]  # the graph reads these buffers
-        side = torch.cuda.Stream()  # warm up off the main stream, as CUDA graph capture requires
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.WARMUP):
-                step(*self.inputs, keys, values)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = step(*self.inputs, keys, values)  # [B, K, V], rewritten by every replay
+        # output: [B, K, V], rewritten by every replay
+        self.graph, self.output = recorded(lambda: step(*self.inputs, keys, values), self.WARMUP, pool)
 
     def __call__(self, *args) -> torch.Tensor:
         """args: `CacheStep.forward`'s; logits [B, K, V], a copy the next replay leaves alone."""
@@ -58,4 +51,19 @@ class CapturedStep:
         return self.output.clone()
 
 
-__all__ = ["CapturedStep"]
+def recorded(call, warmup: int, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(the CUDA graph of what `call()` launches, its output): run `warmup` times first off the main stream, as
+    capture requires (the first call compiles or loads kernels, the rest settle the allocator), then recorded."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = call()
+    return graph, output
+
+
+__all__ = ["CapturedStep", "recorded"]
