@@ -145,6 +145,7 @@ def run(args) -> dict:
         ids = tokenizer.encode(TEXT * 2)
         prompt = ids[:prompt_tokens]
         records, contenders, captured = {}, {}, {}
+        step_bytes = weight_bytes(model)  # what a decode step reads: the roofline's and the prediction's bytes
 
         def minillm(name, cache, runs=model, compile=False):
             contenders[name] = _minillm(runs, prompt, new_tokens, cache, args.device, records.setdefault(name, []),
@@ -178,10 +179,10 @@ def run(args) -> dict:
             contenders["llama.cpp"] = LlamaBench(program, gguf, prompt_tokens, new_tokens, args.device,
                                                  torch.get_num_threads())
         if on_gpu:  # each captured step's kernels counted first, and its time predicted from the count alone
-            kernels[section] = {name: counted_and_predicted(runs, prompt, floor, weight_bytes(model), bandwidth)
+            kernels[section] = {name: counted_and_predicted(runs, prompt, floor, step_bytes, bandwidth)
                                 for name, runs in captured.items()}
         times = alternate(contenders, repeats=repeats, warmup=1, desc=f"decode {section}")
-        results[section] = section_rows(section, times, records, weight_bytes(model), bandwidth, new_tokens)
+        results[section] = section_rows(section, times, records, step_bytes, bandwidth, new_tokens)
         for name, counted in kernels.get(section, {}).items():
             if "error" in counted:
                 print(f"{section:8s} {name:34s} kernels not counted: {counted['error']}", flush=True)
