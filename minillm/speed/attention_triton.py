@@ -167,8 +167,8 @@ def check_against_sdpa(device: str = "cuda") -> float:
         out, lse = triton_flash_attention(q, k, v, block_q=16, block_k=16)
         expected = sdpa(q, k, v, AttentionStep(torch.zeros(B, T, dtype=torch.long, device=device)))
         worst = max(worst, float((out - expected).abs().max()), float((lse - naive_attention(q, k, v)[1]).abs().max()))
-    for B, H, KV, S, lengths, splits in ((2, 6, 2, 50, (50, 17), 4), (1, 9, 3, 45, (45,), None), (3, 4, 4, 40,
-                                                                                                   (1, 40, 33), 7)):
+    decodes = ((2, 6, 2, 50, (50, 17), 4), (1, 9, 3, 45, (45,), None), (3, 4, 4, 40, (1, 40, 33), 7))
+    for B, H, KV, S, lengths, splits in decodes:  # rows, heads, key heads, cache, each row's keys, chunks per row
         q = torch.randn(B, H, 1, 64, generator=gen).to(device)
         k, v = (torch.randn(B, KV, S, 64, generator=gen).to(device) for _ in range(2))
         out, lse = triton_flash_decode(q, k, v, torch.tensor(lengths, device=device), splits, block_k=16)
